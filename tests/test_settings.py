@@ -1,0 +1,99 @@
+import textwrap
+
+import pytest
+
+from vllm_embed_plugin.settings import EmbedSettingsError, load_settings
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_default_is_off_and_inactive():
+    settings = load_settings()
+    assert settings.format == "off"
+    assert not settings.active
+    assert not settings.decide("any/model").convert
+
+
+def test_env_format_and_allowlist(monkeypatch):
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
+    monkeypatch.setenv("VLLM_EMBED_MODELS", "Qwen/*, my-llama")
+    settings = load_settings()
+    assert settings.models == ["Qwen/*", "my-llama"]
+    assert settings.decide("Qwen/Qwen3-8B").format == "int8"
+    # A local path also matches by its final directory name.
+    assert settings.decide("/models/my-llama/").convert
+    excluded = settings.decide("meta/other")
+    assert not excluded.convert and "not in allowlist" in str(excluded)
+
+
+def test_config_file_rules_first_match_wins_and_env_overrides(tmp_path, monkeypatch):
+    config = write(
+        tmp_path,
+        "embed.toml",
+        """
+        format = "int8"
+        models = ["*"]
+
+        [[rules]]
+        match = "*small*"
+        format = "off"
+
+        [[rules]]
+        match = "*"
+        group_size = 64
+        """,
+    )
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    settings = load_settings()
+    assert not settings.decide("org/very-small").convert
+    big = settings.decide("org/big")
+    assert (big.format, big.group_size) == ("int8", 64)
+    assert "rule 2" in big.reason
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "off")
+    assert load_settings().format == "off"
+
+
+def test_yaml_config(tmp_path, monkeypatch):
+    config = write(tmp_path, "embed.yaml", "format: int8\nmodels: [a, b]\n")
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    assert load_settings().models == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "env, file_text, expected",
+    [
+        ({"VLLM_EMBED_FORMAT": "int9"}, None, ["VLLM_EMBED_FORMAT='int9'", "'off'", "'int8'"]),
+        ({"VLLM_EMBED_GROUP_SIZE": "33"}, None, ["VLLM_EMBED_GROUP_SIZE='33'", "32"]),
+        ({"VLLM_EMBED_FROMAT": "int8"}, None, ["VLLM_EMBED_FROMAT", "VLLM_EMBED_FORMAT"]),
+        ({}, 'format = "int8"\ncolour = "red"\n', ["colour", "unknown key", "format"]),
+        ({}, '[[rules]]\nmatch = "x"\nformatt = "int8"\n', ["rules.0.formatt", "unknown key", "match"]),
+        ({}, 'format = "int4x"\n', ["format='int4x'", "'int8'"]),
+        ({}, "format = int8\n", ["malformed TOML"]),
+    ],
+)
+def test_bad_input_names_setting_value_and_allowed(tmp_path, monkeypatch, env, file_text, expected):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if file_text is not None:
+        monkeypatch.setenv("VLLM_EMBED_CONFIG", str(write(tmp_path, "c.toml", file_text)))
+    with pytest.raises(EmbedSettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    for part in expected:
+        assert part in message, message
+    assert "\n" not in message
+
+
+def test_missing_and_unreadable_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(tmp_path / "nope.toml"))
+    with pytest.raises(EmbedSettingsError, match="no such file"):
+        load_settings()
+    directory = tmp_path / "dir.toml"
+    directory.mkdir()
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(directory))
+    with pytest.raises(EmbedSettingsError, match="VLLM_EMBED_CONFIG"):
+        load_settings()

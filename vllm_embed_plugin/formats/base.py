@@ -1,0 +1,73 @@
+"""What every storage format is: plain tensors made by `quantize`, read back by `dequantize`.
+
+A format never knows about vLLM, settings or devices. All of its tensors have one leading
+row per table row, so slicing, gathering and tensor-parallel sharding work on any of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Quantized rows: `codes` [rows, code_bytes] uint8, `scales` [rows, groups], optional
+    `mins` [rows, groups] (affine formats)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def map(self, fn) -> PackedRows:
+        """Apply `fn` to every tensor (slice, gather, move)."""
+        return PackedRows(**{name: fn(t) for name, t in self.tensors().items()})
+
+    def rows(self, index: torch.Tensor | slice) -> PackedRows:
+        return self.map(lambda t: t[index])
+
+    @property
+    def num_rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class TableFormat(ABC):
+    """A storage format for an embedding table of `cols` columns."""
+
+    #: The name users select it by (`VLLM_EMBED_FORMAT`).
+    name: str
+
+    @abstractmethod
+    def bits_per_weight(self, cols: int) -> float:
+        """Stored bits per table element, scales and minimums included."""
+
+    @abstractmethod
+    def quantize(self, rows: torch.Tensor) -> PackedRows:
+        """Quantize float rows [n, cols] (any float dtype) into packed rows."""
+
+    @abstractmethod
+    def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """The reference inverse: packed rows -> [n, cols] in `dtype`."""
+
+    @abstractmethod
+    def empty(self, rows: int, cols: int, device: torch.device | str) -> PackedRows:
+        """Uninitialised storage for a whole table, filled chunk by chunk."""
+
+    def describe(self, cols: int) -> str:
+        return f"{self.name} ({self.bits_per_weight(cols):.2f} bits/weight)"
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        return self.empty(rows, cols, "meta").nbytes
+
+
+class ConversionError(RuntimeError):
+    """A table could not be converted; the original layer is left untouched."""

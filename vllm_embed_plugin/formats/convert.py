@@ -1,0 +1,39 @@
+"""Whole-table conversion in row chunks, so the transient stays bounded in bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ConversionError, PackedRows, TableFormat
+
+#: Default bound on the conversion's transient memory (float32 copies, levels, packing).
+DEFAULT_SCRATCH_BYTES = 256 << 20
+#: Upper estimate of the scratch one element needs while a chunk is quantized: a float32
+#: copy, padded groups, float levels, products for the scale fit and int64 words for packing.
+SCRATCH_BYTES_PER_ELEMENT = 48
+
+
+def chunk_rows(cols: int, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> int:
+    return max(1, scratch_bytes // (cols * SCRATCH_BYTES_PER_ELEMENT))
+
+
+def quantize_table(
+    weight: torch.Tensor, fmt: TableFormat, scratch_bytes: int = DEFAULT_SCRATCH_BYTES
+) -> PackedRows:
+    """Quantize a [rows, cols] table into freshly allocated storage on the same device.
+
+    Raises ConversionError (and allocates nothing that outlives the call) if a row is not
+    finite. The input is never modified."""
+    rows, cols = weight.shape
+    out = fmt.empty(rows, cols, weight.device)
+    step = chunk_rows(cols, scratch_bytes)
+    for start in range(0, rows, step):
+        chunk = weight[start : start + step]
+        if not torch.isfinite(chunk).all():
+            bad = start + int((~torch.isfinite(chunk)).any(dim=1).nonzero()[0])
+            raise ConversionError(f"row {bad} of the table holds NaN or Inf")
+        packed = fmt.quantize(chunk)
+        for name, dst in out.tensors().items():
+            dst[start : start + step].copy_(getattr(packed, name))
+        del packed, chunk
+    return out

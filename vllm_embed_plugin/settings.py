@@ -1,0 +1,204 @@
+"""The plugin's whole public configuration: typed settings and the per-model decision.
+
+Settings come from `VLLM_EMBED_*` environment variables and, optionally, a TOML or YAML file
+named by `VLLM_EMBED_CONFIG` (same settings under lower-case keys, plus `[[rules]]`).
+Environment variables override the file. Anything unknown or malformed raises
+`EmbedSettingsError` with one message naming the setting, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from .formats import FORMATS, GROUP_SIZES
+
+ENV_PREFIX = "VLLM_EMBED_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+#: Variables under the prefix that are not settings of the engine (read elsewhere).
+OTHER_ENV = {ENV_PREFIX + "CACHE"}
+
+FormatName = Literal[("off", *FORMATS)]  # type: ignore[valid-type]
+GroupSize = Literal[GROUP_SIZES]  # type: ignore[valid-type]
+
+
+class EmbedSettingsError(ValueError):
+    """A setting is wrong; vLLM must not start."""
+
+
+def _split_patterns(value: Any) -> Any:
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    return value
+
+
+class ModelRule(BaseModel):
+    """One `[[rules]]` entry: the first rule whose `match` fits a model decides for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    match: str = Field(description="glob pattern on the model name (or its final directory name)")
+    format: FormatName | None = None
+    group_size: GroupSize | None = None
+
+
+class EmbedSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    format: FormatName = Field("off", description="storage format of the token-embedding table")
+    group_size: GroupSize | None = Field(
+        None, description="columns per scale; unset = the format's measured default"
+    )
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="allowlist of glob patterns on the model name; empty = every model",
+    )
+    rules: list[ModelRule] = Field(default_factory=list, description="per-model overrides")
+    config: Path | None = Field(None, description="TOML or YAML file with these settings")
+
+    _split_models = field_validator("models", mode="before")(_split_patterns)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, _file_source(settings_cls, Path(path)))
+
+    @property
+    def active(self) -> bool:
+        """False when nothing could ever be converted: the plugin then changes nothing."""
+        return self.format != "off" or any(r.format not in (None, "off") for r in self.rules)
+
+    def decide(self, model: str) -> Decision:
+        """Which format this model's embedding gets, and why (for the log)."""
+        if self.models and not any(_matches(p, model) for p in self.models):
+            return Decision(model, "off", None, "not in allowlist, untouched")
+        for number, rule in enumerate(self.rules, start=1):
+            if _matches(rule.match, model):
+                fmt = rule.format or self.format
+                group = rule.group_size or self.group_size
+                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})")
+        return Decision(model, self.format, self.group_size, "default format")
+
+    def summary(self) -> str:
+        parts = [f"format={self.format}"]
+        if self.group_size:
+            parts.append(f"group_size={self.group_size}")
+        parts.append(f"models={','.join(self.models) or '*'}")
+        if self.rules:
+            parts.append(f"rules={len(self.rules)}")
+        if self.config:
+            parts.append(f"config={self.config}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Decision:
+    model: str
+    format: str
+    group_size: int | None
+    reason: str
+
+    @property
+    def convert(self) -> bool:
+        return self.format != "off"
+
+    def __str__(self) -> str:
+        if not self.convert:
+            return f"model {self.model!r}: {self.reason}"
+        group = f", group {self.group_size}" if self.group_size else ""
+        return f"model {self.model!r}: {self.format}{group} ({self.reason})"
+
+
+def _matches(pattern: str, model: str) -> bool:
+    name = model.rstrip("/")
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(os.path.basename(name), pattern)
+
+
+def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
+    if not path.exists():
+        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: no such file")
+    if not path.is_file():
+        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: not a file")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})")
+    if path.suffix in (".yaml", ".yml"):
+        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: malformed TOML ({exc})") from None
+    return TomlConfigSettingsSource(settings_cls, toml_file=path)
+
+
+def _setting_name(loc: tuple, config: str | None) -> str:
+    """Name a setting as the user wrote it: the variable if set, else the file key."""
+    env_name = ENV_PREFIX + str(loc[0]).upper()
+    if env_name in os.environ:
+        return env_name
+    key = ".".join(str(part) for part in loc)
+    return f"{config}: {key}" if config else key
+
+
+def _describe(error: dict, config: str | None) -> str:
+    name = _setting_name(error["loc"], config)
+    if error["type"] == "extra_forbidden":
+        parent = EmbedSettings if len(error["loc"]) == 1 else ModelRule
+        allowed = ", ".join(parent.model_fields)
+        return f"{name}: unknown key; allowed keys are {allowed}"
+    return f"{name}={error['input']!r}: {error['msg']}"
+
+
+def _check_unknown_env() -> None:
+    known = {ENV_PREFIX + field.upper() for field in EmbedSettings.model_fields} | OTHER_ENV
+    unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise EmbedSettingsError(
+            f"unknown setting {', '.join(unknown)}; allowed are {', '.join(sorted(known))}"
+        )
+
+
+def load_settings() -> EmbedSettings:
+    """Read and validate the settings now (raises EmbedSettingsError)."""
+    _check_unknown_env()
+    try:
+        return EmbedSettings()
+    except ValidationError as exc:
+        config = os.environ.get(CONFIG_ENV)
+        lines = [_describe(error, config) for error in exc.errors()]
+        raise EmbedSettingsError("invalid vllm-embed-plugin settings: " + "; ".join(lines)) from None
+    except (ValueError, OSError) as exc:
+        if isinstance(exc, EmbedSettingsError):
+            raise
+        raise EmbedSettingsError(f"{CONFIG_ENV}: {exc}") from None
+
+
+@functools.cache
+def current_settings() -> EmbedSettings:
+    """The settings of this process, read once."""
+    return load_settings()
