@@ -51,16 +51,20 @@ def _vllm_supported() -> bool:
 def _register_layer() -> None:
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    from .layer import CompactVocabParallelEmbedding
+    from .layer import CompactVocabParallelEmbedding, TiedCompactLMHead
 
-    registered = op_registry_oot.get("VocabParallelEmbedding")
-    if registered is CompactVocabParallelEmbedding:
-        return
-    if registered is not None:
-        logger.warning(
-            "vllm-embed-plugin: another plugin already replaces VocabParallelEmbedding (%s); "
-            "leaving it in place",
-            registered.__qualname__,
-        )
-        return
-    PluggableLayer.register_oot(CompactVocabParallelEmbedding, name="VocabParallelEmbedding")
+    for name, layer_cls in [
+        ("VocabParallelEmbedding", CompactVocabParallelEmbedding),
+        ("ParallelLMHead", TiedCompactLMHead),
+    ]:
+        registered = op_registry_oot.get(name)
+        if registered is layer_cls:
+            continue  # registered by an earlier call in this process
+        if registered is not None:
+            logger.warning(
+                "vllm-embed-plugin: another plugin already replaces %s (%s); leaving it in place",
+                name,
+                registered.__qualname__,
+            )
+            continue
+        PluggableLayer.register_oot(layer_cls, name=name)

@@ -12,6 +12,7 @@ import logging
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
@@ -46,6 +47,19 @@ class CompactVocabParallelEmbedding(VocabParallelEmbedding):
             self.use_fused_embedding = False
 
 
+class TiedCompactLMHead(ParallelLMHead):
+    """`ParallelLMHead` that, when tied to a converted embedding, computes its logits from
+    the embedding's packed table instead of sharing a BF16 weight. Untied heads and heads
+    tied to unconverted embeddings behave exactly as vLLM's."""
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding):
+        method = embed_tokens.quant_method
+        if isinstance(method, CompactEmbeddingMethod):
+            method.tie_head(self, embed_tokens)
+            return self
+        return super().tie_weights(embed_tokens)
+
+
 def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | None:
     """The online method for this embedding, or None to leave it as vLLM built it."""
     vllm_config = get_current_vllm_config_or_none()
@@ -67,11 +81,14 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             f"({type(layer.quant_method).__name__}) already covers it"
         )
         return None
-    if getattr(text_config, "tie_word_embeddings", False) or model_config.word_embeddings_untied_by_checkpoint:
-        _log_once(f"{where}: left in BF16, the LM head is tied to it (tied heads are not converted yet)")
+    if model_config.word_embeddings_untied_by_checkpoint:
+        # vLLM re-ties such a head only to an unconverted table; converting would keep both.
+        _log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
         return None
     fmt = make_format(decision.format, decision.group_size)
-    return CompactEmbeddingMethod(fmt, label=where)
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    label = where + (" (tied LM head)" if tied else "")
+    return CompactEmbeddingMethod(fmt, label=label, on_error=current_settings().on_error)
 
 
 def _owning_model(vllm_config):

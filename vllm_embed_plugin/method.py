@@ -30,10 +30,20 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
 
-    def __init__(self, fmt: TableFormat, label: str):
+    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail"):
         self.fmt = fmt
         self.label = label
+        self.on_error = on_error
+        #: LM heads tied to this table; they read the packed table, never a BF16 copy.
+        self.tied_heads: list[torch.nn.Module] = []
         memory.expect_conversion()
+
+    def tie_head(self, head: torch.nn.Module, embedding: torch.nn.Module) -> None:
+        """Make `head` compute its logits from this embedding's packed table."""
+        # The head's own BF16 weight is never loaded for a tied model: drop it now.
+        del head.weight
+        head.quant_method = TiedHeadMethod(embedding)
+        self.tied_heads.append(head)
 
     def create_weights(self, layer, *args, **kwargs):
         self._bf16.create_weights(layer, *args, **kwargs)
@@ -41,20 +51,37 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         try:
             self._convert(layer)
+        except Exception as exc:
+            if self.on_error == "fail":
+                raise ConversionError(
+                    f"vllm-embed-plugin: {self.label}: conversion to {self.fmt.name} failed ({exc}); "
+                    "the layer was left unchanged. Set VLLM_EMBED_ON_ERROR=keep to serve it in BF16 instead."
+                ) from exc
+            logger.warning(
+                "vllm-embed-plugin: %s: conversion to %s failed (%s); serving this table in BF16 (on_error=keep)",
+                self.label,
+                self.fmt.name,
+                exc,
+            )
+            self._keep_bf16(layer)
         finally:
             memory.conversion_finished()
+
+    def _keep_bf16(self, layer: torch.nn.Module) -> None:
+        """Hand the untouched BF16 table (and any tied head) back to vLLM's own method."""
+        layer.quant_method = UnquantizedEmbeddingMethod()
+        layer.quant_method.process_weights_after_loading(layer)
+        for head in self.tied_heads:
+            head.weight = layer.weight
+            head.quant_method = UnquantizedEmbeddingMethod()
+            head.quant_method.process_weights_after_loading(head)
 
     def _convert(self, layer: torch.nn.Module) -> None:
         weight = layer.weight
         rows, cols = weight.shape
         before = weight.numel() * weight.element_size()
         start = time.perf_counter()
-        try:
-            packed = quantize_table(weight.data, self.fmt)
-        except torch.OutOfMemoryError as exc:
-            raise ConversionError(f"{self.label}: out of memory while converting: {exc}") from exc
-        except ConversionError as exc:
-            raise ConversionError(f"{self.label}: {exc}") from exc
+        packed = quantize_table(weight.data, self.fmt)
         # Nothing above touched the layer; swap in the new tensors all at once.
         layer.embedding_dtype = weight.dtype
         layer.embedding_cols = cols
@@ -62,6 +89,8 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         for name, tensor in packed.tensors().items():
             attr = "weight" if name == "codes" else f"weight_{name}"
             layer.register_parameter(attr, Parameter(tensor, requires_grad=False))
+        for head in self.tied_heads:
+            head.weight = layer.weight  # the same packed tensor, so code reading .weight works
         del weight
         seconds = time.perf_counter() - start
         logger.info(
@@ -87,4 +116,25 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         return kernels.lookup(self.fmt, self.packed(layer), input_, layer.embedding_cols, layer.embedding_dtype)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        raise NotImplementedError("vllm-embed-plugin does not convert tied LM heads yet")
+        """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
+        logits = kernels.linear(self.fmt, self.packed(layer), x, layer.embedding_cols)
+        return logits if bias is None else logits + bias
+
+
+class TiedHeadMethod(QuantizeMethodBase):
+    """The method of an LM head tied to a converted embedding: logits come from the
+    embedding's packed table. The head owns no tensor of its own."""
+
+    def __init__(self, embedding: torch.nn.Module):
+        # Not a submodule: the embedding is processed and counted once, as itself.
+        self._embedding = [embedding]
+
+    @property
+    def embedding(self) -> torch.nn.Module:
+        return self._embedding[0]
+
+    def create_weights(self, layer, *args, **kwargs):
+        raise RuntimeError("a tied head has no weights of its own")
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embedding.quant_method.apply(self.embedding, x, bias)

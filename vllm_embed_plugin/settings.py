@@ -69,6 +69,10 @@ class EmbedSettings(BaseSettings):
         description="allowlist of glob patterns on the model name; empty = every model",
     )
     rules: list[ModelRule] = Field(default_factory=list, description="per-model overrides")
+    on_error: Literal["fail", "keep"] = Field(
+        "fail",
+        description="a table that cannot be converted: 'fail' stops startup, 'keep' serves it in BF16",
+    )
     config: Path | None = Field(None, description="TOML or YAML file with these settings")
 
     _split_models = field_validator("models", mode="before")(_split_patterns)
@@ -108,6 +112,7 @@ class EmbedSettings(BaseSettings):
         if self.group_size:
             parts.append(f"group_size={self.group_size}")
         parts.append(f"models={','.join(self.models) or '*'}")
+        parts.append(f"on_error={self.on_error}")
         if self.rules:
             parts.append(f"rules={len(self.rules)}")
         if self.config:

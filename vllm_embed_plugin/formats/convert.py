@@ -13,13 +13,11 @@ DEFAULT_SCRATCH_BYTES = 256 << 20
 SCRATCH_BYTES_PER_ELEMENT = 48
 
 
-def chunk_rows(cols: int, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> int:
-    return max(1, scratch_bytes // (cols * SCRATCH_BYTES_PER_ELEMENT))
+def chunk_rows(cols: int, scratch_bytes: int | None = None) -> int:
+    return max(1, (scratch_bytes or DEFAULT_SCRATCH_BYTES) // (cols * SCRATCH_BYTES_PER_ELEMENT))
 
 
-def quantize_table(
-    weight: torch.Tensor, fmt: TableFormat, scratch_bytes: int = DEFAULT_SCRATCH_BYTES
-) -> PackedRows:
+def quantize_table(weight: torch.Tensor, fmt: TableFormat, scratch_bytes: int | None = None) -> PackedRows:
     """Quantize a [rows, cols] table into freshly allocated storage on the same device.
 
     Raises ConversionError (and allocates nothing that outlives the call) if a row is not

@@ -1,0 +1,130 @@
+"""The vLLM quantize method on real tensors: conversion, fault handling, tied heads."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+from torch.nn import Parameter
+
+from vllm_embed_plugin import memory
+from vllm_embed_plugin.formats import ConversionError, IntFormat, make_format
+from vllm_embed_plugin.formats.convert import SCRATCH_BYTES_PER_ELEMENT
+from vllm_embed_plugin.method import CompactEmbeddingMethod
+
+
+def make_layer(rows=512, cols=256, seed=0):
+    layer = torch.nn.Module()
+    g = torch.Generator().manual_seed(seed)
+    layer.weight = Parameter((torch.randn(rows, cols, generator=g) * 0.02).bfloat16(), requires_grad=False)
+    return layer
+
+
+def test_conversion_replaces_table_and_lookup_matches_reference():
+    layer = make_layer()
+    original = layer.weight.detach().clone()
+    fmt = make_format("int8")
+    method = CompactEmbeddingMethod(fmt, "test")
+    assert memory.pending() == 1
+    method.process_weights_after_loading(layer)
+    assert memory.pending() == 0
+    assert layer.weight.dtype == torch.uint8 and not layer.weight.requires_grad
+    assert {n for n, _ in layer.named_parameters()} >= {"weight", "weight_scales"}
+    ids = torch.tensor([[0, 5, 511], [7, 7, 3]])
+    out = method.embedding(layer, ids)
+    assert out.shape == (2, 3, 256) and out.dtype == torch.bfloat16
+    reference = fmt.dequantize(fmt.quantize(original), 256, torch.bfloat16)
+    assert torch.equal(out.view(-1, 256), reference[ids.view(-1)])
+
+
+class FailingFormat(IntFormat):
+    """Runs out of memory on the second chunk, as a large table might."""
+
+    def quantize(self, rows):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return super().quantize(rows)
+
+
+def faulty_layers():
+    nan = make_layer()
+    nan.weight.data[100, 3] = float("nan")
+    inf = make_layer()
+    inf.weight.data[7] = float("inf")
+    return {
+        "nan-row": (nan, make_format("int8")),
+        "inf-row": (inf, make_format("int8")),
+        "oom-midway": (make_layer(), FailingFormat("int8", 8, None)),
+    }
+
+
+@pytest.mark.parametrize("case", ["nan-row", "inf-row", "oom-midway"])
+def test_failed_conversion_with_fail_raises_and_leaves_layer_untouched(case, monkeypatch):
+    layer, fmt = faulty_layers()[case]
+    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    before = layer.weight.detach().clone()
+    method = CompactEmbeddingMethod(fmt, "embed", on_error="fail")
+    with pytest.raises(ConversionError, match="left unchanged.*VLLM_EMBED_ON_ERROR=keep"):
+        method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.view(torch.int16), before.view(torch.int16))
+    assert not hasattr(layer, "weight_scales")
+    assert memory.pending() == 0
+
+
+@pytest.mark.parametrize("case", ["nan-row", "inf-row", "oom-midway"])
+def test_failed_conversion_with_keep_serves_bf16(case, monkeypatch, caplog):
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    layer, fmt = faulty_layers()[case]
+    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    before = layer.weight.detach().clone()
+    layer.quant_method = CompactEmbeddingMethod(fmt, "embed", on_error="keep")
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)
+    assert torch.equal(layer.weight.view(torch.int16), before.view(torch.int16))
+    ids = torch.tensor([1, 2, 3])
+    assert torch.equal(layer.quant_method.embedding(layer, ids).view(torch.int16), before[ids].view(torch.int16))
+    assert memory.pending() == 0
+
+
+def test_all_zero_rows_convert_to_zero():
+    layer = make_layer()
+    layer.weight.data[10:20] = 0
+    method = CompactEmbeddingMethod(make_format("int8"), "embed")
+    method.process_weights_after_loading(layer)
+    out = method.embedding(layer, torch.arange(10, 20))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_repeated_loads_leak_neither_memory_nor_state():
+    process = psutil.Process(os.getpid())
+
+    def load_once():
+        layer = make_layer(rows=16384, cols=512)  # 16 MiB BF16
+        CompactEmbeddingMethod(make_format("int8"), "embed").process_weights_after_loading(layer)
+        return layer
+
+    load_once()
+    start = process.memory_info().rss
+    for _ in range(20):
+        load_once()
+    growth = process.memory_info().rss - start
+    assert growth < 48 << 20, f"RSS grew {growth >> 20} MiB over 20 loads"
+    assert memory.pending() == 0
+
+
+def test_register_many_times_is_harmless(monkeypatch):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    import vllm_embed_plugin
+    from vllm_embed_plugin.layer import CompactVocabParallelEmbedding, TiedCompactLMHead
+
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
+    for _ in range(5):
+        vllm_embed_plugin.register()
+    assert op_registry_oot["VocabParallelEmbedding"] is CompactVocabParallelEmbedding
+    assert op_registry_oot["ParallelLMHead"] is TiedCompactLMHead

@@ -1,0 +1,98 @@
+"""`vllm-embed-plugin`: check settings, plan savings, measure fidelity, prepare real models.
+
+Every subcommand reads settings through the same code as the plugin inside vLLM, so the two
+cannot disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+GiB = 1 << 30
+
+
+def cmd_check(args) -> int:
+    from .settings import EmbedSettingsError, load_settings
+
+    try:
+        settings = load_settings()
+    except EmbedSettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"settings: {settings.summary()}")
+    if not settings.active:
+        print("the plugin is inactive: vLLM runs exactly as without it")
+    for model in args.model:
+        print(settings.decide(model))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import load_config, plan
+
+    config = load_config(args.model)
+    info, rows = plan(config, args.max_model_len, args.tensor_parallel_size, args.kv_cache_dtype)
+    layout = info["layout"]
+    print(f"model: {args.model}")
+    print(f"token table: {info['table']}, LM head {'tied (one table serves both)' if info['tied'] else 'untied'}")
+    print(
+        f"KV cache: {info['kv_bytes_per_token']} bytes per token per GPU "
+        f"({layout.layers} layers x {layout.kv_heads} KV heads x {layout.head_dim} x 2 x {layout.dtype_bytes} B"
+        + (f"; {layout.sliding_layers} sliding-window layers" if layout.sliding_layers else "")
+        + ")"
+    )
+    header = f"{'format':<8} {'table GiB':>10} {'freed GiB':>10} {'% of GPU':>9} {'+KV tokens':>12} {f'+seqs@{args.max_model_len}':>12}  storage"
+    print(header)
+    for row in rows:
+        share = 100 * row.freed_bytes / (args.gpu_memory_gib * GiB)
+        print(
+            f"{row.format:<8} {row.table_bytes / GiB:>10.3f} {row.freed_bytes / GiB:>10.3f} {share:>8.1f}% "
+            f"{row.extra_kv_tokens:>12,} {row.extra_sequences:>12.1f}  {row.description}"
+        )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from . import evaluate
+
+    return evaluate.main(args.eval_args)
+
+
+def cmd_prepare(args) -> int:
+    from .real_models import prepare
+
+    print(prepare(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-embed-plugin", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="validate VLLM_EMBED_* and the config file; show decisions")
+    check.add_argument("model", nargs="*", help="model names or paths as given to vLLM")
+    check.set_defaults(func=cmd_check)
+
+    plan = sub.add_parser("plan", help="bytes and KV-cache tokens each format would free")
+    plan.add_argument("model", help="model directory or config.json")
+    plan.add_argument("--gpu-memory-gib", type=float, default=24.0)
+    plan.add_argument("--max-model-len", type=int, default=8192)
+    plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    plan.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "fp8"], default=None)
+    plan.set_defaults(func=cmd_plan)
+
+    evaluate = sub.add_parser("eval", help="fidelity report (KL divergence vs BF16) on a real model", add_help=False)
+    evaluate.add_argument("eval_args", nargs=argparse.REMAINDER)
+    evaluate.set_defaults(func=cmd_eval)
+
+    prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")
+    prepare.add_argument("name", help="smollm2 or gemma3-270m")
+    prepare.set_defaults(func=cmd_prepare)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
