@@ -82,7 +82,7 @@ def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({"VLLM_EMBED_FORMAT": "int9"}, "VLLM_EMBED_FORMAT='int9': Input should be 'off' or 'int8'"),
+        ({"VLLM_EMBED_FORMAT": "int9"}, "VLLM_EMBED_FORMAT='int9': Input should be 'off', 'int8'"),
         ({"VLLM_EMBED_CONFIG": "/nonexistent/embed.toml"}, "VLLM_EMBED_CONFIG='/nonexistent/embed.toml': no such file"),
     ],
 )

@@ -7,14 +7,14 @@ and registers the out-of-tree embedding layer if there is anything to do. Nothin
 
 from __future__ import annotations
 
-import logging
+from .log import logger
+
 
 __version__ = "0.1.0"
 
 #: vLLM releases whose layer and quantization APIs this plugin was written against.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 
-logger = logging.getLogger("vllm.embed_plugin")
 
 _state = {"logged": False}
 

@@ -59,6 +59,12 @@ def cmd_eval(args) -> int:
     return evaluate.main(args.eval_args)
 
 
+def cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.main(args.demo_args)
+
+
 def cmd_prepare(args) -> int:
     from .real_models import prepare
 
@@ -85,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = sub.add_parser("eval", help="fidelity report (KL divergence vs BF16) on a real model", add_help=False)
     evaluate.add_argument("eval_args", nargs=argparse.REMAINDER)
     evaluate.set_defaults(func=cmd_eval)
+
+    demo = sub.add_parser("demo", help="chat with a real model in vLLM, plugin off then on", add_help=False)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=cmd_demo)
 
     prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")
     prepare.add_argument("name", help="smollm2 or gemma3-270m")

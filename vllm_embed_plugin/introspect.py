@@ -15,10 +15,12 @@ def embedding_report(model: torch.nn.Module) -> dict:
 
     tables = []
     vocab_shapes = set()
+    table_tensors = {}
     for name, module in model.named_modules():
         if not isinstance(module, VocabParallelEmbedding):
             continue
         tensors = {n: t for n, t in module.named_parameters(recurse=False)}
+        table_tensors.update({t.data_ptr(): t for t in tensors.values()})
         tables.append(
             {
                 "name": name,
@@ -48,7 +50,13 @@ def embedding_report(model: torch.nn.Module) -> dict:
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
-    return {"tables": tables, "float_vocab_tables": float_vocab_tables, "model_bytes": total}
+    return {
+        "tables": tables,
+        # Bytes of all vocabulary tables, a tensor shared by a tied head counted once.
+        "vocab_bytes": sum(t.numel() * t.element_size() for t in table_tensors.values()),
+        "float_vocab_tables": float_vocab_tables,
+        "model_bytes": total,
+    }
 
 
 def worker_report(worker) -> dict:

@@ -8,7 +8,6 @@ never replaced here.
 
 from __future__ import annotations
 
-import logging
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -18,21 +17,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from .formats import make_format
+from .log import log_once
 from .method import CompactEmbeddingMethod
-from .settings import current_settings
+from .settings import EmbedSettingsError, current_settings
 
-logger = logging.getLogger("vllm.embed_plugin")
 
 #: Model tags vLLM sets (`set_model_tag`) while it builds a speculative-decoding drafter.
 DRAFT_MODEL_TAGS = ("draft_model", "eagle_head", "medusa_head", "dflash_head", "dspark_head")
 
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info("vllm-embed-plugin: %s", message)
 
 
 class CompactVocabParallelEmbedding(VocabParallelEmbedding):
@@ -72,23 +64,44 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
     if layer.org_vocab_size != getattr(text_config, "vocab_size", None):
         return None  # a position or token-type table, not the token embedding
     decision = current_settings().decide(model_config.model)
-    _log_once(f"{role} {decision}")
+    log_once(f"{role} {decision}")
     if not decision.convert:
         return None
     if not isinstance(layer.quant_method, UnquantizedEmbeddingMethod):
-        _log_once(
+        log_once(
             f"{where}: left as is, the checkpoint's quantization "
             f"({type(layer.quant_method).__name__}) already covers it"
         )
         return None
     if model_config.word_embeddings_untied_by_checkpoint:
         # vLLM re-ties such a head only to an unconverted table; converting would keep both.
-        _log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
+        log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
         return None
-    fmt = make_format(decision.format, decision.group_size)
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    name = decision.format
+    if tied and decision.on_host:
+        name = _tied_fallback(decision, where)
+        if name == "off":
+            return None
     label = where + (" (tied LM head)" if tied else "")
-    return CompactEmbeddingMethod(fmt, label=label, on_error=current_settings().on_error)
+    return CompactEmbeddingMethod(
+        make_format(name, decision.group_size),
+        label=label,
+        on_error=current_settings().on_error,
+        on_host=name == decision.format and decision.on_host,
+    )
+
+
+def _tied_fallback(decision, where: str) -> str:
+    """A tied head computes logits from the table on the GPU, so a host table cannot serve it."""
+    if decision.tied_fallback is None:
+        raise EmbedSettingsError(
+            f"{where}: format {decision.format!r} keeps the table in host memory, but this model's "
+            "LM head is tied to it and must read it on the GPU; set tied_fallback (e.g. "
+            "VLLM_EMBED_TIED_FALLBACK=int8, or per rule) or choose a device format"
+        )
+    log_once(f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}")
+    return decision.tied_fallback
 
 
 def _owning_model(vllm_config):

@@ -11,11 +11,9 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import logging
 
 import torch
 
-logger = logging.getLogger("vllm.embed_plugin")
 
 _pending = 0
 

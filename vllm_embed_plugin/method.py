@@ -8,18 +8,18 @@ identical tables still compare equal.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 from torch.nn import Parameter
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
+from .log import log_once, logger
 from .formats import ConversionError, PackedRows, TableFormat, quantize_table
 
-logger = logging.getLogger("vllm.embed_plugin")
 
 GiB = 1 << 30
 
@@ -30,10 +30,12 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
 
-    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail"):
+    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False):
         self.fmt = fmt
         self.label = label
         self.on_error = on_error
+        #: Keep the table in pinned host memory, read through unified virtual addressing.
+        self.on_host = on_host
         #: LM heads tied to this table; they read the packed table, never a BF16 copy.
         self.tied_heads: list[torch.nn.Module] = []
         memory.expect_conversion()
@@ -81,7 +83,15 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         rows, cols = weight.shape
         before = weight.numel() * weight.element_size()
         start = time.perf_counter()
-        packed = quantize_table(weight.data, self.fmt)
+        if self.on_host and weight.is_cuda:
+            host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
+            host_tensors = quantize_table(weight.data, self.fmt, out=host)
+            packed = host_tensors.map(get_accelerator_view_from_cpu_tensor)
+            layer.host_tensors = host_tensors  # the views do not own the memory: keep it alive
+        else:
+            if self.on_host:
+                log_once(f"{self.label}: host placement is a no-op on the {weight.device.type} backend")
+            packed = quantize_table(weight.data, self.fmt)
         # Nothing above touched the layer; swap in the new tensors all at once.
         layer.embedding_dtype = weight.dtype
         layer.embedding_cols = cols
@@ -93,14 +103,16 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             head.weight = layer.weight  # the same packed tensor, so code reading .weight works
         del weight
         seconds = time.perf_counter() - start
+        where = "pinned host memory (0 GiB of GPU memory)" if self.on_host and weight.is_cuda else "device"
         logger.info(
-            "vllm-embed-plugin: %s: %d x %d table -> %s, %.3f GiB -> %.3f GiB in %.2f s",
+            "vllm-embed-plugin: %s: %d x %d table -> %s, %.3f GiB -> %.3f GiB in %s, in %.2f s",
             self.label,
             rows,
             cols,
             self.fmt.describe(cols),
             before / GiB,
             packed.nbytes / GiB,
+            where,
             seconds,
         )
 

@@ -26,14 +26,15 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from .formats import FORMATS, GROUP_SIZES
+from .formats import FORMATS, GROUP_SIZES, HOST_FORMATS
 
 ENV_PREFIX = "VLLM_EMBED_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 #: Variables under the prefix that are not settings of the engine (read elsewhere).
 OTHER_ENV = {ENV_PREFIX + "CACHE"}
 
-FormatName = Literal[("off", *FORMATS)]  # type: ignore[valid-type]
+FormatName = Literal[("off", *FORMATS, *HOST_FORMATS)]  # type: ignore[valid-type]
+DeviceFormatName = Literal[("off", *FORMATS)]  # type: ignore[valid-type]
 GroupSize = Literal[GROUP_SIZES]  # type: ignore[valid-type]
 
 
@@ -55,6 +56,7 @@ class ModelRule(BaseModel):
     match: str = Field(description="glob pattern on the model name (or its final directory name)")
     format: FormatName | None = None
     group_size: GroupSize | None = None
+    tied_fallback: DeviceFormatName | None = None
 
 
 class EmbedSettings(BaseSettings):
@@ -69,6 +71,11 @@ class EmbedSettings(BaseSettings):
         description="allowlist of glob patterns on the model name; empty = every model",
     )
     rules: list[ModelRule] = Field(default_factory=list, description="per-model overrides")
+    tied_fallback: DeviceFormatName | None = Field(
+        None,
+        description="format for a model whose LM head is tied, when `format` is a host format "
+        "(which a tied head cannot use); unset = such a model stops startup with an error",
+    )
     on_error: Literal["fail", "keep"] = Field(
         "fail",
         description="a table that cannot be converted: 'fail' stops startup, 'keep' serves it in BF16",
@@ -104,8 +111,9 @@ class EmbedSettings(BaseSettings):
             if _matches(rule.match, model):
                 fmt = rule.format or self.format
                 group = rule.group_size or self.group_size
-                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})")
-        return Decision(model, self.format, self.group_size, "default format")
+                fallback = rule.tied_fallback or self.tied_fallback
+                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})", fallback)
+        return Decision(model, self.format, self.group_size, "default format", self.tied_fallback)
 
     def summary(self) -> str:
         parts = [f"format={self.format}"]
@@ -126,10 +134,15 @@ class Decision:
     format: str
     group_size: int | None
     reason: str
+    tied_fallback: str | None = None
 
     @property
     def convert(self) -> bool:
         return self.format != "off"
+
+    @property
+    def on_host(self) -> bool:
+        return self.format in HOST_FORMATS
 
     def __str__(self) -> str:
         if not self.convert:

@@ -11,10 +11,18 @@ import dataclasses
 from .base import ConversionError, PackedRows, TableFormat
 from .convert import quantize_table
 from .fp8 import Fp8Format
+from .identity import IdentityFormat
 from .integer import IntFormat
 
 FORMATS: dict[str, TableFormat] = {
     "int8": IntFormat("int8", bits=8, group_size=None, symmetric=True),
+}
+
+#: Formats whose table lives in pinned host memory, read by the GPU through unified virtual
+#: addressing: name -> the storage format of the table there.
+HOST_FORMATS: dict[str, TableFormat] = {
+    "host": IdentityFormat("host"),
+    "host-int8": dataclasses.replace(FORMATS["int8"], name="host-int8"),
 }
 
 #: Group sizes a user may pick (None = one scale per row).
@@ -23,8 +31,8 @@ GROUP_SIZES = (16, 32, 64, 128, 256)
 
 def make_format(name: str, group_size: int | None = None) -> TableFormat:
     """The format called `name`, with its default group size unless one is given."""
-    fmt = FORMATS[name]
-    if group_size is not None:
+    fmt = FORMATS[name] if name in FORMATS else HOST_FORMATS[name]
+    if group_size is not None and hasattr(fmt, "group_size"):
         fmt = dataclasses.replace(fmt, group_size=group_size)
     return fmt
 
@@ -32,6 +40,8 @@ def make_format(name: str, group_size: int | None = None) -> TableFormat:
 __all__ = [
     "FORMATS",
     "GROUP_SIZES",
+    "HOST_FORMATS",
+    "IdentityFormat",
     "ConversionError",
     "Fp8Format",
     "IntFormat",

@@ -17,13 +17,20 @@ def chunk_rows(cols: int, scratch_bytes: int | None = None) -> int:
     return max(1, (scratch_bytes or DEFAULT_SCRATCH_BYTES) // (cols * SCRATCH_BYTES_PER_ELEMENT))
 
 
-def quantize_table(weight: torch.Tensor, fmt: TableFormat, scratch_bytes: int | None = None) -> PackedRows:
-    """Quantize a [rows, cols] table into freshly allocated storage on the same device.
+def quantize_table(
+    weight: torch.Tensor,
+    fmt: TableFormat,
+    scratch_bytes: int | None = None,
+    out: PackedRows | None = None,
+) -> PackedRows:
+    """Quantize a [rows, cols] table chunk by chunk into `out` (by default fresh storage on
+    the table's device; pinned host storage for host placement).
 
     Raises ConversionError (and allocates nothing that outlives the call) if a row is not
     finite. The input is never modified."""
     rows, cols = weight.shape
-    out = fmt.empty(rows, cols, weight.device)
+    if out is None:
+        out = fmt.empty(rows, cols, weight.device)
     step = chunk_rows(cols, scratch_bytes)
     for start in range(0, rows, step):
         chunk = weight[start : start + step]

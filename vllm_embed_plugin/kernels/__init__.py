@@ -1,17 +1,120 @@
 """Lookup and tied-head matmul over packed tables: fused GPU kernels where they exist,
-torch reference paths everywhere else. Imports neither vLLM nor the settings."""
+torch reference paths everywhere else. Imports neither vLLM nor the settings.
+
+Triton is imported lazily, on the first CUDA call: the package (and the CPU paths) work
+without it. `VLLM_EMBED_NO_TRITON=1` forces the torch paths everywhere (for comparisons).
+"""
 
 from __future__ import annotations
 
-import torch
+import os
 
-from ..formats import PackedRows, TableFormat
+import torch
+import torch.nn.functional as F
+
+from ..formats import IdentityFormat, IntFormat, PackedRows, TableFormat
+
+#: Bound on the dense float chunk the torch `linear` path materialises at a time.
+LINEAR_CHUNK_BYTES = 64 << 20
+#: Rows at or below which the CPU uses torch's int8 weight-only GEMV (ANCHORS 2b).
+INT8PACK_MAX_ROWS = 8
+
+_triton: dict[str, object] = {}
+
+
+def _triton_module(name: str):
+    """kernels.<name> if Triton imports and is not switched off, else None (cached)."""
+    if name not in _triton:
+        module = None
+        if os.environ.get("VLLM_EMBED_NO_TRITON", "") not in ("1", "true", "yes"):
+            try:
+                import importlib
+
+                module = importlib.import_module(f"{__name__}.{name}")
+            except ImportError:
+                module = None
+        _triton[name] = module
+    return _triton[name]
 
 
 def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of the table, dequantized to `dtype`: shape ids.shape + (cols,).
 
     No host synchronisation, so CUDA graphs can capture it."""
+    if isinstance(fmt, IdentityFormat):  # a plain table (e.g. in host memory): one gather
+        return F.embedding(ids, table.codes).to(dtype)
+    if ids.is_cuda and table.codes.is_cuda:
+        kernels = _triton_module("triton_lookup")
+        if kernels is not None:
+            out = kernels.lookup(fmt, table, ids, cols, dtype)
+            if out is not None:
+                return out
+    return lookup_torch(fmt, table, ids, cols, dtype)
+
+
+def lookup_torch(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reference path: gather the packed rows, then `fmt.dequantize`."""
     flat = ids.reshape(-1)
     out = fmt.dequantize(table.rows(flat), cols, dtype)
     return out.view(*ids.shape, cols)
+
+
+def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
+    """Tied LM head: x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype, without ever
+    densifying the whole table."""
+    if isinstance(fmt, IdentityFormat) and x.dtype == table.codes.dtype:
+        return F.linear(x, table.codes)
+    if x.is_cuda and table.codes.is_cuda:
+        kernels = _triton_module("triton_linear")
+        if kernels is not None:
+            out = kernels.linear(fmt, table, x, cols)
+            if out is not None:
+                return out
+    return linear_torch(fmt, table, x, cols)
+
+
+def _is_int8_per_row(fmt: TableFormat) -> bool:
+    return isinstance(fmt, IntFormat) and fmt.bits == 8 and fmt.group_size is None and fmt.symmetric
+
+
+def linear_torch(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
+                 chunk_bytes: int = LINEAR_CHUNK_BYTES) -> torch.Tensor:
+    """The torch path. On the CPU, a per-row symmetric int8 table at decode sizes goes through
+    `torch._weight_int8pack_mm` (int8 weights read directly); everything else dequantizes
+    bounded row chunks and multiplies them, never the whole table at once."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cols)
+    m, rows = x2.shape[0], table.num_rows
+    if (
+        x2.device.type == "cpu"
+        and _is_int8_per_row(fmt)
+        and 0 < m <= INT8PACK_MAX_ROWS
+        and cols % 8 == 0  # codes rows are then exactly the int8 weight rows (no copy)
+        and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    ):
+        weight = table.codes.view(torch.int8)
+        out = torch._weight_int8pack_mm(x2.contiguous(), weight, table.scales.reshape(-1).to(x2.dtype))
+        return out.view(*lead, rows)
+    out = torch.empty((m, rows), dtype=x.dtype, device=x.device)
+    # Dequantize creates a few float32 temporaries per element; bound them all.
+    step = max(1, chunk_bytes // (max(cols, 1) * 16))
+    for start in range(0, rows, step):
+        weight = fmt.dequantize(table.rows(slice(start, start + step)), cols, x.dtype)
+        out[:, start : start + step] = x2 @ weight.T
+        del weight
+    return out.view(*lead, rows)
+
+
+def quantize_rows_fast(fmt: TableFormat, rows: torch.Tensor, out: PackedRows | None = None) -> PackedRows | None:
+    """One-pass GPU conversion of a whole table for the formats the Triton kernel handles
+    (8-bit int or fp8, no scale search), into `out` if given (device or pinned host storage);
+    None means: use the chunked torch path. Raises ConversionError on NaN/Inf rows."""
+    if not rows.is_cuda:
+        return None
+    kernels = _triton_module("triton_quantize")
+    if kernels is None:
+        return None
+    return kernels.quantize_rows_fast(fmt, rows, out)
+
+
+__all__ = ["lookup", "lookup_torch", "linear", "linear_torch", "quantize_rows_fast"]
