@@ -91,3 +91,39 @@ def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expec
     assert run.returncode != 0
     assert "EmbedSettingsError" in run.log and expected in run.log
     assert "KV cache size" not in run.log
+
+
+def test_tensor_parallel_each_rank_converts_its_own_shard(runs, models):
+    single = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    # Two CPU workers on a one-NUMA-node machine need their cores named.
+    run = runs("tp2", {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "--model", str(models["target"]), "--tp", "2")
+    full = single.embedding()
+    for rank in (0, 1):
+        shard = run.embedding(rank=rank)
+        assert shard["method"] == "CompactEmbeddingMethod"
+        assert shard["rows"] == full["rows"] // 2
+        assert shard["bytes"] * 2 == pytest.approx(full["bytes"], rel=1e-3)
+    assert run.log.count("65536 x 1024 table -> int8") == 2
+    assert greedy_close(single.result, run.result) == []
+
+
+def test_pipeline_parallel_only_the_embedding_stage_converts(runs, models):
+    # vLLM 0.32's CPU backend loads PP=2 but fails to generate (with or without the plugin),
+    # so this run loads the model and inspects both stages without generating.
+    run = runs(
+        "pp2",
+        {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        "--model", str(models["target"]), "--pp", "2", "--max-tokens", "0",
+    )
+    first, last = (run.tables(rank=r) for r in (0, 1))
+    assert first["model.embed_tokens"]["method"] == "CompactEmbeddingMethod"
+    assert "model.embed_tokens" not in last
+    assert last["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
+
+
+def test_host_format_is_a_noop_on_the_cpu_backend(runs, models):
+    run = runs("host", {"VLLM_EMBED_FORMAT": "host"}, "--model", str(models["draft"]))
+    embedding = run.embedding()
+    assert embedding["method"] == "UnquantizedEmbeddingMethod"
+    assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
+    assert "format 'host' is a no-op on the CPU backend" in run.log

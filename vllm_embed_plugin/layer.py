@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 from vllm.config import get_current_vllm_config_or_none
+from vllm.platforms import current_platform
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
@@ -76,6 +77,9 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
     if model_config.word_embeddings_untied_by_checkpoint:
         # vLLM re-ties such a head only to an unconverted table; converting would keep both.
         log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
+        return None
+    if decision.on_host and current_platform.is_cpu():
+        log_once(f"{where}: format {decision.format!r} is a no-op on the CPU backend (the table already lives in host memory)")
         return None
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
     name = decision.format

@@ -17,7 +17,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
-from .log import log_once, logger
+from .log import logger
 from .formats import ConversionError, PackedRows, TableFormat, quantize_table
 
 
@@ -51,9 +51,13 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         self._bf16.create_weights(layer, *args, **kwargs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        weight = layer.weight
+        started = time.perf_counter()
         try:
-            self._convert(layer)
+            # Builds the new tensors only; the layer is not touched until `_install`.
+            packed, host_tensors = self._quantize(weight.data)
         except Exception as exc:
+            memory.conversion_finished()
             if self.on_error == "fail":
                 raise ConversionError(
                     f"vllm-embed-plugin: {self.label}: conversion to {self.fmt.name} failed ({exc}); "
@@ -66,8 +70,44 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
                 exc,
             )
             self._keep_bf16(layer)
-        finally:
-            memory.conversion_finished()
+            return
+        self._install(layer, packed, host_tensors)
+        rows, cols = weight.shape
+        logger.info(
+            "vllm-embed-plugin: %s: %d x %d table -> %s, %.3f GiB -> %.3f GiB in %s, in %.2f s",
+            self.label,
+            rows,
+            cols,
+            self.fmt.describe(cols),
+            weight.numel() * weight.element_size() / GiB,
+            packed.nbytes / GiB,
+            "pinned host memory (0 GiB of GPU memory)" if self.on_host else f"{weight.device.type} memory",
+            time.perf_counter() - started,
+        )
+        del weight
+        memory.conversion_finished()
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[PackedRows, PackedRows | None]:
+        """(the packed table the layer will use, the pinned host tensors behind it or None)."""
+        rows, cols = weight.shape
+        if not self.on_host:
+            return quantize_table(weight, self.fmt), None
+        host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
+        quantize_table(weight, self.fmt, out=host)
+        return host.map(get_accelerator_view_from_cpu_tensor), host
+
+    def _install(self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None) -> None:
+        """Swap the BF16 table for the packed one (and point tied heads at it)."""
+        layer.embedding_dtype = layer.weight.dtype
+        layer.embedding_cols = layer.weight.shape[1]
+        if host_tensors is not None:
+            layer.host_tensors = host_tensors  # the device views do not own the memory
+        del layer.weight
+        for name, tensor in packed.tensors().items():
+            attr = "weight" if name == "codes" else f"weight_{name}"
+            layer.register_parameter(attr, Parameter(tensor, requires_grad=False))
+        for head in self.tied_heads:
+            head.weight = layer.weight  # the same packed tensor, so code reading .weight works
 
     def _keep_bf16(self, layer: torch.nn.Module) -> None:
         """Hand the untouched BF16 table (and any tied head) back to vLLM's own method."""
@@ -77,44 +117,6 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             head.weight = layer.weight
             head.quant_method = UnquantizedEmbeddingMethod()
             head.quant_method.process_weights_after_loading(head)
-
-    def _convert(self, layer: torch.nn.Module) -> None:
-        weight = layer.weight
-        rows, cols = weight.shape
-        before = weight.numel() * weight.element_size()
-        start = time.perf_counter()
-        if self.on_host and weight.is_cuda:
-            host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
-            host_tensors = quantize_table(weight.data, self.fmt, out=host)
-            packed = host_tensors.map(get_accelerator_view_from_cpu_tensor)
-            layer.host_tensors = host_tensors  # the views do not own the memory: keep it alive
-        else:
-            if self.on_host:
-                log_once(f"{self.label}: host placement is a no-op on the {weight.device.type} backend")
-            packed = quantize_table(weight.data, self.fmt)
-        # Nothing above touched the layer; swap in the new tensors all at once.
-        layer.embedding_dtype = weight.dtype
-        layer.embedding_cols = cols
-        del layer.weight
-        for name, tensor in packed.tensors().items():
-            attr = "weight" if name == "codes" else f"weight_{name}"
-            layer.register_parameter(attr, Parameter(tensor, requires_grad=False))
-        for head in self.tied_heads:
-            head.weight = layer.weight  # the same packed tensor, so code reading .weight works
-        del weight
-        seconds = time.perf_counter() - start
-        where = "pinned host memory (0 GiB of GPU memory)" if self.on_host and weight.is_cuda else "device"
-        logger.info(
-            "vllm-embed-plugin: %s: %d x %d table -> %s, %.3f GiB -> %.3f GiB in %s, in %.2f s",
-            self.label,
-            rows,
-            cols,
-            self.fmt.describe(cols),
-            before / GiB,
-            packed.nbytes / GiB,
-            where,
-            seconds,
-        )
 
     @staticmethod
     def packed(layer: torch.nn.Module) -> PackedRows:
