@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from tests.checkpoints import write_checkpoint
+from vllm_embed_plugin.cli import main
+from vllm_embed_plugin.formats import make_format
+
+
+def test_check_prints_decisions_with_the_plugins_settings(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
+    monkeypatch.setenv("VLLM_EMBED_MODELS", "Qwen/*")
+    assert main(["check", "Qwen/Qwen3-8B", "meta/llama"]) == 0
+    out = capsys.readouterr().out
+    assert "model 'Qwen/Qwen3-8B': int8 (default format)" in out
+    assert "model 'meta/llama': not in allowlist, untouched" in out
+
+
+def test_check_reports_bad_settings_and_fails(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int3")
+    assert main(["check"]) == 2
+    assert "VLLM_EMBED_FORMAT='int3'" in capsys.readouterr().err
+
+
+def test_plan_uses_the_models_kv_layout(tmp_path, capsys):
+    config = {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path), "--max-model-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    kv_per_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head size, BF16
+    assert f"{kv_per_token} bytes per token" in out
+    freed = 151936 * 4096 * 2 - make_format("int8").nbytes(151936, 4096)
+    line = next(l for l in out.splitlines() if l.startswith("int8 "))
+    assert f"{freed // kv_per_token:,}" in line
+
+
+def test_plan_reads_a_written_checkpoint(tmp_path, capsys):
+    path = write_checkpoint(tmp_path / "m", vocab=4096, hidden=128, layers=1, tied=True)
+    assert main(["plan", str(path / "config.json")]) == 0
+    assert "tied (one table serves both)" in capsys.readouterr().out
+
+
+def test_unsupported_vllm_version_leaves_the_plugin_inert(monkeypatch, caplog):
+    import vllm
+    from vllm.model_executor import custom_op
+
+    import vllm_embed_plugin
+
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    monkeypatch.setattr(custom_op, "op_registry_oot", {})
+    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
+        vllm_embed_plugin.register()
+    assert custom_op.op_registry_oot == {}
+    assert "supports vLLM 0.32 and 0.33, not 0.40.1" in caplog.text
