@@ -29,6 +29,11 @@ def quantize_table(
     Raises ConversionError (and allocates nothing that outlives the call) if a row is not
     finite. The input is never modified."""
     rows, cols = weight.shape
+    from ..kernels import quantize_rows_fast  # lazy: kernels imports formats
+
+    # One fused pass on the GPU for the formats that have one (no scratch at all).
+    if (fast := quantize_rows_fast(fmt, weight, out)) is not None:
+        return fast
     if out is None:
         out = fmt.empty(rows, cols, weight.device)
     step = chunk_rows(cols, scratch_bytes)

@@ -52,7 +52,9 @@ def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dt
     return lookup_torch(fmt, table, ids, cols, dtype)
 
 
-def lookup_torch(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+def lookup_torch(
+    fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The reference path: gather the packed rows, then `fmt.dequantize`."""
     flat = ids.reshape(-1)
     out = fmt.dequantize(table.rows(flat), cols, dtype)
@@ -105,7 +107,9 @@ def linear_torch(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int
     return out.view(*lead, rows)
 
 
-def quantize_rows_fast(fmt: TableFormat, rows: torch.Tensor, out: PackedRows | None = None) -> PackedRows | None:
+def quantize_rows_fast(
+    fmt: TableFormat, rows: torch.Tensor, out: PackedRows | None = None
+) -> PackedRows | None:
     """One-pass GPU conversion of a whole table for the formats the Triton kernel handles
     (8-bit int or fp8, no scale search), into `out` if given (device or pinned host storage);
     None means: use the chunked torch path. Raises ConversionError on NaN/Inf rows."""
