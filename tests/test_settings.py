@@ -67,7 +67,7 @@ def test_yaml_config(tmp_path, monkeypatch):
     "env, file_text, expected",
     [
         ({"VLLM_EMBED_FORMAT": "int9"}, None, ["VLLM_EMBED_FORMAT='int9'", "'off'", "'int8'"]),
-        ({"VLLM_EMBED_GROUP_SIZE": "33"}, None, ["VLLM_EMBED_GROUP_SIZE='33'", "32"]),
+        ({"VLLM_EMBED_GROUP_SIZE": "33"}, None, ["VLLM_EMBED_GROUP_SIZE=33", "32", "'row'"]),
         ({"VLLM_EMBED_FROMAT": "int8"}, None, ["VLLM_EMBED_FROMAT", "VLLM_EMBED_FORMAT"]),
         ({}, 'format = "int8"\ncolour = "red"\n', ["colour", "unknown key", "format"]),
         ({}, '[[rules]]\nmatch = "x"\nformatt = "int8"\n', ["rules.0.formatt", "unknown key", "match"]),

@@ -42,6 +42,11 @@ class EmbedSettingsError(ValueError):
     """A setting is wrong; vLLM must not start."""
 
 
+def _numeric_group(value: Any) -> Any:
+    """Environment variables are strings: "64" means the group size 64."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
 def _split_patterns(value: Any) -> Any:
     if isinstance(value, str):
         return [p.strip() for p in value.split(",") if p.strip()]
@@ -57,6 +62,8 @@ class ModelRule(BaseModel):
     format: FormatName | None = None
     group_size: GroupSize | None = None
     tied_fallback: DeviceFormatName | None = None
+
+    _numeric_group = field_validator("group_size", mode="before")(_numeric_group)
 
 
 class EmbedSettings(BaseSettings):
@@ -83,6 +90,7 @@ class EmbedSettings(BaseSettings):
     config: Path | None = Field(None, description="TOML or YAML file with these settings")
 
     _split_models = field_validator("models", mode="before")(_split_patterns)
+    _numeric_group = field_validator("group_size", mode="before")(_numeric_group)
 
     @classmethod
     def settings_customise_sources(
@@ -132,7 +140,7 @@ class EmbedSettings(BaseSettings):
 class Decision:
     model: str
     format: str
-    group_size: int | None
+    group_size: int | str | None
     reason: str
     tied_fallback: str | None = None
 

@@ -73,13 +73,23 @@ class IntFormat(TableFormat):
 
     # -- quantize / dequantize ----------------------------------------------------------
 
-    def quantize(self, rows: torch.Tensor) -> PackedRows:
+    def quantize(self, rows: torch.Tensor, importance: torch.Tensor | None = None) -> PackedRows:
+        """`importance` (optional): one positive weight per column for the squared error that
+        the scale search minimises, e.g. the mean square of the hidden state that multiplies
+        that column in a tied LM head. It steers only the search (`search` > 0): the codes are
+        always the nearest levels of the chosen scale. None weighs every column alike."""
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         x = _pad_cols(rows.float(), groups * g).view(n, groups, g)
+        if importance is None:
+            col_weight = torch.ones(1, cols, device=rows.device)
+        else:
+            col_weight = importance.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
+            if col_weight.shape[1] != cols or not bool((col_weight > 0).all()):
+                raise ValueError(f"importance must hold {cols} positive weights, one per column")
         # Padded columns carry no weight in the fit.
-        weight = _pad_cols(torch.ones(1, cols, device=rows.device), groups * g).view(1, groups, g)
+        weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if self.symmetric:
             levels, scale = _fit_symmetric(x, weight, self.bits, self.search, self.scale_dtype)
             mins = None
@@ -107,26 +117,29 @@ class IntFormat(TableFormat):
 def _fit_symmetric(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_dtype):
     """Levels in [-2^(b-1), 2^(b-1)-1] and one scale per group.
 
-    The plain candidate maps the value of largest magnitude to the extreme negative level
-    (llama.cpp's Q4_0 "signed max"), so all 2^b levels are used."""
+    The plain scale depends on the width. From 5 bits up it is llama.cpp's Q8_0 rule, absmax
+    to the largest positive level: no value is ever clipped, which matters more than one extra
+    level. Below, it is Q4_0's "signed max": the value of largest magnitude maps to the extreme
+    negative level, so all 2^b levels are used. A search refits around the signed max."""
     nmax = 2 ** (bits - 1)
     signed_max = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))  # [n, G, 1]
-    scale = signed_max / -nmax
-    best_score = None
-    for step in range(-search, search + 1) if search else ():
-        # Candidate: map signed_max to -(nmax + step/10), then refit the scale.
-        levels = torch.round(x * _safe_inv(signed_max / -(nmax + 0.1 * step))).clamp_(-nmax, nmax - 1)
-        sum_xl = (w * x * levels).sum(-1, keepdim=True)
-        sum_ll = (w * levels * levels).sum(-1, keepdim=True)
-        fitted = torch.where(sum_ll > 0, sum_xl / sum_ll.clamp_min(1e-30), scale)
-        # Squared error = sum w x^2 - sum_xl^2 / sum_ll, so maximise sum_xl^2 / sum_ll.
-        score = sum_xl * sum_xl / sum_ll.clamp_min(1e-30)
-        if best_score is None:
-            best_score, best_scale = score, fitted
-        else:
-            best_scale = torch.where(score > best_score, fitted, best_scale)
-            best_score = torch.maximum(score, best_score)
+    # A product with the float32 reciprocal, as the fused GPU kernel computes it.
+    scale = signed_max.abs() * (1.0 / (nmax - 1)) if bits >= 5 else signed_max / -nmax
     if search:
+        candidates = [scale] + [signed_max / -(nmax + 0.1 * step) for step in range(-search, search + 1)]
+        best_score = None
+        for candidate in candidates:
+            levels = torch.round(x * _safe_inv(candidate)).clamp_(-nmax, nmax - 1)
+            sum_xl = (w * x * levels).sum(-1, keepdim=True)
+            sum_ll = (w * levels * levels).sum(-1, keepdim=True)
+            fitted = torch.where(sum_ll > 0, sum_xl / sum_ll.clamp_min(1e-30), candidate)
+            # Squared error = sum w x^2 - sum_xl^2 / sum_ll, so maximise sum_xl^2 / sum_ll.
+            score = sum_xl * sum_xl / sum_ll.clamp_min(1e-30)
+            if best_score is None:
+                best_score, best_scale = score, fitted
+            else:
+                best_scale = torch.where(score > best_score, fitted, best_scale)
+                best_score = torch.maximum(score, best_score)
         scale = best_scale
     # Round the codes against the scale exactly as it is stored.
     scale = scale.to(scale_dtype).float()
@@ -135,10 +148,11 @@ def _fit_symmetric(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, sca
 
 
 def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_dtype):
-    """Levels in [0, 2^b - 1], x ~ scale * level + min (min <= 0, as in llama.cpp's K-quants)."""
+    """Levels in [0, 2^b - 1], x ~ scale * level + min. The plain fit is llama.cpp's Q5_1/Q4_1:
+    the group's min and max span the levels; a search refits scale and min by least squares."""
     nmax = 2**bits - 1
     big = torch.finfo(torch.float32).max
-    xmin = torch.where(w > 0, x, torch.full_like(x, big)).amin(-1, keepdim=True).clamp(max=0)
+    xmin = torch.where(w > 0, x, torch.full_like(x, big)).amin(-1, keepdim=True)
     xmax = torch.where(w > 0, x, torch.full_like(x, -big)).amax(-1, keepdim=True)
     span = (xmax - xmin).clamp_min(0)
     scale, mins = span / nmax, xmin
@@ -156,9 +170,6 @@ def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_
         det = torch.where(ok, det, torch.ones_like(det))
         fit_scale = torch.where(ok, (sw * sxl - sx * sl) / det, span / nmax)
         fit_min = torch.where(ok, (sll * sx - sl * sxl) / det, xmin)
-        positive = fit_min > 0
-        fit_min = torch.where(positive, torch.zeros_like(fit_min), fit_min)
-        fit_scale = torch.where(positive, sxl / sll.clamp_min(1e-30), fit_scale)
         err = (w * (fit_scale * levels + fit_min - x) ** 2).sum(-1, keepdim=True)
         if best_err is None:
             best_err, scale, mins = err, fit_scale, fit_min

@@ -45,7 +45,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bad_ptr,
                      BR: tl.constexpr, NG: tl.constexpr, GP2: tl.constexpr, GROUP: tl.constexpr,
                      MODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                      RECIP: tl.constexpr):
-    """MODE 0: symmetric int (signed max -> QMIN), 1: affine int, 2: fp8 (absmax -> 448)."""
+    """MODE 0: symmetric int (absmax -> QMAX, llama.cpp's Q8_0), 1: affine int, 2: fp8 (absmax -> 448)."""
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
     r = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)
@@ -72,19 +72,15 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bad_ptr,
         y = tl.minimum(tl.maximum(x * inv[:, :, None], -QMAX), QMAX)
         codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif MODE == 0:
-        ax = tl.abs(x)
-        amax = tl.max(ax, axis=2)
-        # The first element of largest magnitude keeps its sign (torch's argmax order).
-        first = tl.min(tl.where(ax == amax[:, :, None], j[None, None, :], GP2), axis=2)
-        smax = tl.sum(tl.where(j[None, None, :] == first[:, :, None], x, 0.0), axis=2)
-        scale = (smax * RECIP).to(sdt).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=2)
+        scale = (amax * RECIP).to(sdt).to(tl.float32)
         inv = _safe_recip(scale)
         lev = _rint(x * inv[:, :, None])
         lev = tl.minimum(tl.maximum(lev, QMIN), QMAX)
         codes = lev.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
     else:
         big = 3.4028234663852886e38
-        xmin = tl.minimum(tl.min(tl.where(valid, x, big), axis=2), 0.0)
+        xmin = tl.min(tl.where(valid, x, big), axis=2)
         xmax = tl.max(tl.where(valid, x, -big), axis=2)
         span = tl.maximum(xmax - xmin, 0.0)
         scale = (span * RECIP).to(sdt).to(tl.float32)
@@ -141,8 +137,8 @@ def quantize_rows_fast(
         return None
     if isinstance(fmt, IntFormat) and fmt.bits == 8 and fmt.search == 0:
         mode = 0 if fmt.symmetric else 1
-        qmin, qmax = (-128.0, 127.0) if fmt.symmetric else (0.0, 255.0)
-        recip = _recip(-128.0 if fmt.symmetric else 255.0)
+        qmin, qmax = (-127.0, 127.0) if fmt.symmetric else (0.0, 255.0)
+        recip = _recip(127.0 if fmt.symmetric else 255.0)
     elif isinstance(fmt, Fp8Format):
         mode, qmin, qmax, recip = 2, -E4M3_MAX, E4M3_MAX, _recip(E4M3_MAX)
     else:
