@@ -15,14 +15,11 @@ def run_engine(out_dir, name, env, *args, timeout=900):
 
 
 def greedy_close(reference: dict, candidate: dict) -> list[str]:
-    """Problems found comparing two greedy runs: the first token must match, and where the
-    sequences part, the candidate's token must be among the reference's top 5 at that step
-    (a near tie of the reference, not a different model)."""
+    """Problems found comparing two greedy runs: where the sequences part, the candidate's
+    token must be among the reference's top 5 at that step (a near tie of the reference, not
+    a different model)."""
     problems = []
     for i, (ref, got) in enumerate(zip(reference["tokens"], candidate["tokens"])):
-        if ref[0] != got[0]:
-            problems.append(f"prompt {i}: first token {got[0]} != {ref[0]}")
-            continue
         split = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), None)
         if split is not None and got[split] not in reference["top5"][i][split]:
             problems.append(f"prompt {i}: step {split} token {got[split]} not in reference top 5")
