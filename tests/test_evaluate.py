@@ -1,0 +1,130 @@
+"""The fidelity evaluation on a tiny random Llama (tied, small vocabulary) and a short text."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("gguf")
+
+from vllm_embed_plugin import evaluate  # noqa: E402
+from vllm_embed_plugin.formats import IntFormat  # noqa: E402
+
+TEXT = (
+    "The licenses for most software and other practical works are designed to take away your "
+    "freedom to share and change the works. By contrast, the license is intended to guarantee "
+    "your freedom to share and change all versions of a program, to make sure it remains free "
+    "software for all its users. When we speak of free software, we are referring to freedom, "
+    "not price. "
+) * 6
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama with a tied ~200 x 64 table and a BPE tokenizer trained on TEXT."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"])
+    bpe.train_from_iterator([TEXT], trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                                                     bos_token="<s>")
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
+        initializer_range=0.1,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Wide enough for confident predictions (format errors show in the KLD), small enough
+        # that the body does not amplify every input error into a different prediction.
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model):
+    torch.set_num_threads(2)
+    return evaluate.FidelityRun(tiny_model, TEXT, window=32, max_positions=128, progress=False)
+
+
+def test_windows_and_importance(run):
+    assert run.tied and run.windows.shape == (4, 32)
+    assert run.positions == 128
+    assert run.importance.shape == (64,) and bool((run.importance > 0).all())
+
+
+def test_identity_is_exactly_zero(run):
+    r = run.evaluate(evaluate.identity_row(run.cols))
+    for mode in (r.input, r.tied):
+        assert mode.kld_mean == 0 and mode.kld_p99 == 0 and mode.top1 == 1
+
+
+def test_kld_grows_as_bits_shrink(run):
+    int8 = run.evaluate(evaluate.plugin_row(IntFormat("int8", 8, 32), run.cols))
+    int4 = run.evaluate(evaluate.plugin_row(IntFormat("int4", 4, 32), run.cols))
+    q8 = run.evaluate(evaluate.llama_cpp_row("Q8_0", run.cols, shift=evaluate.SHIFT))
+    assert 0 < int8.tied.kld_mean < 1e-3 and 0 < q8.tied.kld_mean < 1e-3
+    assert int8.input.kld_mean <= int8.tied.kld_mean * 1.5
+    assert int4.tied.kld_mean > 10 * int8.tied.kld_mean
+    assert int4.tied.kld_p99 >= int4.tied.kld_mean
+    assert int4.tied.top1 <= int8.tied.top1
+
+
+def test_importance_weighted_fit_and_outlier_rows_run(run):
+    base = IntFormat("int4", 4, 64, search=2)
+    plain = run.evaluate(evaluate.plugin_row(base, run.cols))
+    outliers = evaluate.outlier_row(base, 0.25, run.cols, weighted=True)
+    assert outliers.bpw == pytest.approx(4.25 + 0.25 * (8.5 - 4.25 + 0.5))
+    assert run.evaluate(outliers).tied.kld_mean < plain.tied.kld_mean
+
+
+def test_k_quants_need_rows_of_256(run):
+    row = evaluate.llama_cpp_row("Q4_K", run.cols)
+    assert row.roundtrip is None and run.evaluate(row).tied is None
+
+
+def test_main_writes_markdown_with_command(tiny_model, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "docs" / "FIDELITY.md"
+    argv = ["--model", str(tiny_model), "--corpus", str(corpus), "--grid", "quick",
+            "--window", "32", "--positions", "64", "--out", str(out), "--no-progress"]
+    assert evaluate.main(argv, prog="vllm-embed-plugin eval") == 0
+    text = out.read_text()
+    assert "vllm-embed-plugin eval --model " + str(tiny_model) in text
+    assert "| format | bpw | input KLD mean | input KLD p99 | input top-1 | tied KLD mean" in text
+    assert "8-bit class" in text and "4-bit class" in text
+    assert "| identity (check) | 16.00 | 0 | 0 | 100.00% | 0 | 0 | 100.00% |" in text
+
+
+def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    x = torch.randn(64, 128) * 0.05
+    on_grid = torch.from_numpy(gguf.quants.dequantize(
+        gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+        gguf.GGMLQuantizationType.Q8_0).copy()).reshape(x.shape).bfloat16().float()
+    moved = evaluate.degrid(on_grid)
+    assert torch.equal(moved, moved.bfloat16().float())
+    half_step = on_grid.view(64, 4, 32).abs().amax(-1, keepdim=True) / 254
+    delta = (moved - on_grid).view(64, 4, 32).abs()
+    assert bool((delta <= half_step * 1.01 + moved.view(64, 4, 32).abs() / 256).all())
+    # Large values keep their BF16 value when the noise is below half a BF16 ulp.
+    assert (moved != on_grid).float().mean() > 0.5
+    assert not np.shares_memory(moved.numpy(), on_grid.numpy())
+
+
+def test_grids_build_for_any_row_length():
+    for name in ("quick", "anchors", "full", "8bit"):
+        rows = evaluate.grid(name, 640)
+        assert rows and all(r.bpw is None or r.bpw <= 16 for r in rows)
+    assert {r.label for r in evaluate.grid("anchors", 640) if r.roundtrip is None} == {
+        "llama.cpp Q6_K", "llama.cpp Q5_K", "llama.cpp Q4_K"}

@@ -1,0 +1,704 @@
+"""Fidelity of table formats on a real model: how far the next-token distributions move when
+only the token table is replaced by dequantize(quantize(table)).
+
+For every position of a corpus (windows of `window` tokens), the reference is the model itself
+in float32 on the CPU. Two modes per format:
+
+- input: the lookup reads the lossy table, the LM head keeps the original table;
+- tied:  the same lossy table also produces the logits (as a tied model stores it once).
+
+Reported per mode: mean and 99th percentile of the per-token KL(P_ref || P_quant) in nats, and
+top-1 agreement with the reference. The body runs once per format (with the lossy input table);
+both logit sets come from its final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T.
+At most one lossy float32 table exists at a time besides the original.
+
+Rows are plugin formats (`TableFormat`), llama.cpp reference formats through the `gguf`
+package's reference quantizers, and two experiments computed here only: an importance-weighted
+scale fit (columns weighted by the mean square of the final hidden state) and "outlier rows"
+(the rows with the largest error kept at 8 bits).
+
+    python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
+
+This module never imports vLLM; transformers, gguf and tqdm (the `eval` extra) are imported
+where they are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import argparse
+import datetime
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .formats import Fp8Format, IntFormat, TableFormat
+from .formats.convert import chunk_rows
+
+__all__ = [
+    "BIT_CLASSES",
+    "Candidate",
+    "FidelityRun",
+    "ModeStats",
+    "Result",
+    "SECTIONS",
+    "Section",
+    "default_corpus",
+    "degrid",
+    "evaluate_model",
+    "grid",
+    "identity_row",
+    "llama_cpp_row",
+    "main",
+    "outlier_row",
+    "plugin_row",
+    "render_markdown",
+]
+
+DEFAULT_WINDOW = 512
+DEFAULT_POSITIONS = 4096
+#: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
+SHIFT = 16
+#: Bound on each float32 logits chunk [positions, vocab] (several live at once).
+LOGIT_CHUNK_BYTES = 256 << 20
+#: Reference log-probabilities are kept between formats when they fit in this many bytes.
+REFERENCE_CACHE_BYTES = 1 << 30
+
+#: (name, largest bits/weight) from the smallest budget up; a row belongs to the first class
+#: whose budget it fits.
+BIT_CLASSES = (("4-bit class", 4.5), ("6-bit class", 6.0), ("8-bit class", 8.5))
+
+#: One lossy copy of a float32 table: (table [rows, cols], column importance [cols]) -> table.
+Roundtrip = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# -- rows of the table -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One row: a way to make the lossy copy of a table with `cols` columns."""
+
+    label: str
+    #: Stored bits per weight (scales, minimums and side tables included); None if n/a.
+    bpw: float | None
+    #: None when the format cannot store this table (`note` says why).
+    roundtrip: Roundtrip | None
+    #: "plugin", "llama.cpp" or "experiment".
+    kind: str = "plugin"
+    note: str = ""
+
+
+def _roll(t: torch.Tensor, shift: int) -> torch.Tensor:
+    return t if shift == 0 else torch.roll(t, -shift, dims=-1)
+
+
+def _unroll(t: torch.Tensor, shift: int) -> torch.Tensor:
+    return t if shift == 0 else torch.roll(t, shift, dims=-1)
+
+
+def _chunked(table: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn applied to row chunks of `table` (bounded transient), into a new float32 table."""
+    out = torch.empty(table.shape, dtype=torch.float32)
+    step = chunk_rows(table.shape[1])
+    for start in range(0, table.shape[0], step):
+        out[start : start + step] = fn(table[start : start + step])
+    return out
+
+
+def _format_label(fmt: TableFormat) -> str:
+    group = "row" if fmt.group_size is None else f"g{fmt.group_size}"
+    if isinstance(fmt, Fp8Format):
+        return f"fp8 e4m3 {group}"
+    kind = "sym" if fmt.symmetric else "affine"
+    search = f" search {fmt.search}" if getattr(fmt, "search", 0) else ""
+    return f"int{fmt.bits} {kind} {group}{search}"
+
+
+def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool) -> Roundtrip:
+    def roundtrip(table: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+        kwargs = {"importance": _roll(importance, shift)} if weighted else {}
+
+        def one(chunk: torch.Tensor) -> torch.Tensor:
+            packed = fmt.quantize(_roll(chunk, shift), **kwargs)
+            return _unroll(fmt.dequantize(packed, cols, torch.float32), shift)
+
+        return _chunked(table, one)
+
+    return roundtrip
+
+
+def plugin_row(fmt: TableFormat, cols: int, *, shift: int = 0, weighted: bool = False,
+               label: str | None = None) -> Candidate:
+    """A plugin format. `shift` moves its groups off column 0 (the honest test on a table
+    that was stored on aligned blocks before); `weighted` passes the measured column importance
+    to the scale search (IntFormat only)."""
+    if weighted and not isinstance(fmt, IntFormat):
+        raise ValueError("only IntFormat takes an importance")
+    if label is None:
+        label = _format_label(fmt) + (", importance-weighted" if weighted else "")
+        label += f", shifted {shift}" if shift else ""
+    roundtrip = _plugin_roundtrip(fmt, cols, shift, weighted)
+    return Candidate(label, fmt.bits_per_weight(cols), roundtrip,
+                     kind="experiment" if weighted else "plugin")
+
+
+def identity_row(cols: int) -> Candidate:
+    """The table itself (KLD exactly 0): a check of the measurement."""
+    return Candidate("identity (check)", 16.0, lambda t, _: t.clone(), kind="experiment")
+
+
+def llama_cpp_row(type_name: str, cols: int, *, shift: int = 0) -> Candidate:
+    """llama.cpp's reference quantizer `type_name` (Q8_0, Q4_0, ...) from the `gguf` package."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    label = f"llama.cpp {type_name}" + (f", blocks shifted {shift}" if shift else "")
+    bpw = type_size * 8 / block
+    if cols % block:
+        return Candidate(label, None, None, "llama.cpp",
+                         f"rows of {cols} are not a multiple of {block}")
+    try:
+        gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
+    except NotImplementedError:
+        return Candidate(label, bpw, None, "llama.cpp", "gguf ships no quantizer for it")
+
+    def one(chunk: torch.Tensor) -> torch.Tensor:
+        data = _roll(chunk.float(), shift).numpy()
+        back = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+        return _unroll(torch.from_numpy(np.ascontiguousarray(back)).reshape(chunk.shape), shift)
+
+    return Candidate(label, bpw, lambda table, _: _chunked(table, one), "llama.cpp")
+
+
+def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat | None = None,
+                weighted: bool = False) -> Candidate:
+    """Experiment (no such storage exists): the `share` of rows whose `base` error is largest
+    (importance-weighted squared error) kept in `high` (default int8 symmetric group-32) instead.
+    The cost counted: those rows at `high`'s bits instead of `base`'s, plus a 32-bit row index
+    each."""
+    high = high or IntFormat("int8", 8, 32)
+    base_rt = _plugin_roundtrip(base, cols, 0, weighted)
+    high_rt = _plugin_roundtrip(high, cols, 0, False)
+    base_bpw = base.bits_per_weight(cols)
+    bpw = base_bpw + share * (high.bits_per_weight(cols) - base_bpw + 32 / cols)
+
+    def roundtrip(table: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+        lossy = base_rt(table, importance)
+        err = torch.empty(table.shape[0])
+        step = chunk_rows(cols)
+        for s in range(0, table.shape[0], step):
+            diff = lossy[s : s + step] - table[s : s + step]
+            err[s : s + step] = (diff.square() * importance).sum(1)
+        rows = err.topk(max(1, round(share * table.shape[0]))).indices
+        lossy[rows] = high_rt(table[rows], importance)
+        return lossy
+
+    label = (f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
+             f"+ {share:.0%} outlier rows in {_format_label(high)}")
+    return Candidate(label, bpw, roundtrip, "experiment")
+
+
+def degrid(table: torch.Tensor, block: int = 32, seed: int = 0) -> torch.Tensor:
+    """A copy of a table that was stored as Q8_0 (aligned `block`-column blocks, step
+    max|x|/127), moved off that grid: uniform noise of +-half a step per element, then rounded
+    to BF16. Statistically a table never quantized before, so no 8-bit format can profit from
+    re-finding the old grid (which Q8_0 on blocks shifted by 16 columns still partly does: a
+    shifted block holding an old block's largest value gets that block's step back)."""
+    rows, cols = table.shape
+    if cols % block:
+        raise ValueError(f"rows of {cols} are not a multiple of {block}")
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty(table.shape, dtype=torch.float32)
+    step = chunk_rows(cols)
+    for s in range(0, rows, step):
+        x = table[s : s + step].float().view(-1, cols // block, block)
+        half_step = x.abs().amax(-1, keepdim=True) / 254
+        noise = torch.rand(x.shape, generator=gen).mul_(2).sub_(1).mul_(half_step)
+        out[s : s + step] = (x + noise).view(-1, cols).bfloat16().float()
+    return out
+
+
+def grid(name: str, cols: int) -> list[Candidate]:
+    """The rows of one table: "quick" (a smoke test), "anchors" (llama.cpp and the fork's
+    formats), "full" (anchors, plugin candidates and the experiments), "8bit" (the 8-bit class
+    for a de-gridded table)."""
+    I = IntFormat  # noqa: E741
+    s = 9  # candidate scales on each side, as llama.cpp's make_qx_quants (2 * 9 + 1)
+    anchors = [
+        llama_cpp_row("Q8_0", cols),
+        llama_cpp_row("Q8_0", cols, shift=SHIFT),
+        llama_cpp_row("Q6_K", cols),
+        llama_cpp_row("Q5_1", cols),
+        llama_cpp_row("Q5_0", cols),
+        llama_cpp_row("Q5_K", cols),
+        llama_cpp_row("Q4_1", cols),
+        llama_cpp_row("Q4_0", cols),
+        llama_cpp_row("Q4_K", cols),
+        plugin_row(I("int8", 8, None), cols),
+        plugin_row(Fp8Format("fp8", None), cols),
+    ]
+    if name == "quick":
+        return [identity_row(cols), llama_cpp_row("Q8_0", cols, shift=SHIFT),
+                plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
+                plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+                llama_cpp_row("Q4_0", cols)]
+    if name == "anchors":
+        return anchors
+    if name == "plugin":
+        # The formats as the plugin ships them, beside llama.cpp's at the same sizes.
+        from .formats import FORMATS
+
+        return [
+            llama_cpp_row("Q8_0", cols, shift=SHIFT),
+            plugin_row(I("int8", 8, None), cols, label="int8 sym row (the fork's format)"),
+            *[plugin_row(fmt, cols, label=f"**{fmt.name}** (default): {_format_label(fmt)}") for fmt in FORMATS.values()],
+            plugin_row(dataclasses.replace(FORMATS["int8"], group_size=32), cols,
+                       label="**int8**, group_size=32: int8 sym g32"),
+            llama_cpp_row("Q5_1", cols),
+            llama_cpp_row("Q5_0", cols),
+            llama_cpp_row("Q4_1", cols),
+            llama_cpp_row("Q4_0", cols),
+        ]
+    if name == "8bit":
+        return [
+            llama_cpp_row("Q8_0", cols),
+            plugin_row(I("int8", 8, 32), cols),
+            plugin_row(I("int8", 8, 32, search=s), cols, weighted=True),
+            plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols),
+            plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, weighted=True),
+        ]
+    if name != "full":
+        raise KeyError(f"unknown grid {name!r}")
+    return anchors + [
+        # 8-bit class, groups shifted off the Q8_0 grid the tables were published on.
+        plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
+        plugin_row(I("int8", 8, 32, search=s), cols, shift=SHIFT, weighted=True),
+        plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, shift=SHIFT, weighted=True),
+        plugin_row(I("int6", 6, None), cols),
+        # 6-bit class
+        plugin_row(I("int5", 5, 16, search=s), cols, weighted=True),
+        plugin_row(I("int5", 5, 32, symmetric=False, search=s), cols),
+        plugin_row(I("int5", 5, 32, symmetric=False, search=s), cols, weighted=True),
+        outlier_row(I("int5", 5, 32, search=s), 0.15, cols, weighted=True),
+        # 4-bit class
+        plugin_row(I("int4", 4, 32, search=s), cols),
+        plugin_row(I("int4", 4, 32, search=s), cols, weighted=True),
+        plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols),
+        plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+        outlier_row(I("int4", 4, 64, search=s), 0.05, cols, weighted=True),
+    ]
+
+
+#: What `--grid` evaluates per model: (section title, rows, de-grid the table first).
+SECTIONS = {
+    "quick": [("Original table", "quick", False)],
+    "anchors": [("Original table", "anchors", False)],
+    "plugin": [("Original table", "plugin", False)],
+    "full": [("Original table", "full", False),
+             ("8-bit class on the de-gridded table", "8bit", True)],
+}
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModeStats:
+    kld_mean: float
+    kld_p99: float
+    top1: float
+
+
+@dataclass(frozen=True)
+class Result:
+    candidate: Candidate
+    input: ModeStats | None = None
+    tied: ModeStats | None = None
+    seconds: float = 0.0
+
+
+def _load_windows(tokenizer, text: str, window: int, max_positions: int):
+    """Token windows [n, window] for the evaluation and the held-out rest of the corpus [m, window]
+    (possibly empty): each window is the special prefix the tokenizer adds (e.g. <bos>), then
+    consecutive corpus tokens. A corpus shorter than one window gives one shorter window."""
+    probe = " the"
+    with_special = tokenizer(probe)["input_ids"]
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    prefix = []
+    if with_special[-len(plain):] == plain:
+        prefix = with_special[: len(with_special) - len(plain)]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = min(window - len(prefix), len(ids))
+    available = max(1, len(ids) // body)
+    n = min(available, max(1, max_positions // window))
+    rows = [prefix + ids[i * body : (i + 1) * body] for i in range(available)]
+    return torch.tensor(rows[:n], dtype=torch.long), torch.tensor(rows[n:], dtype=torch.long)
+
+
+class FidelityRun:
+    """One model and corpus: the reference pass, then `evaluate(candidate)` per row."""
+
+    def __init__(self, model_path: str | Path, text: str, *, window: int = DEFAULT_WINDOW,
+                 max_positions: int = DEFAULT_POSITIONS, degrid_table: bool = False,
+                 progress: bool = True):
+        """`degrid_table`: replace the model's token table by `degrid(table)` first (the
+        reference included)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.progress = progress
+        self.model_path = Path(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.windows, held_out = _load_windows(tokenizer, text, window, max_positions)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        model.eval()
+        self.model = model
+        self.body = getattr(model, model.base_model_prefix)
+        self.embedding = model.get_input_embeddings()
+        self.table = self.embedding.weight.data  # the original, float32
+        if degrid_table:
+            self.table.copy_(degrid(self.table))
+        self.head = model.get_output_embeddings().weight.data
+        self.tied = self.head.data_ptr() == self.table.data_ptr()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.rows, self.cols = self.table.shape
+        self.vocab = self.head.shape[0]
+        self.chunk = max(1, LOGIT_CHUNK_BYTES // (self.vocab * 4))
+
+        started = time.perf_counter()
+        self.h_ref = self._hidden(self.table, "reference")
+        flat = self.h_ref.reshape(-1, self.cols)
+        self.positions = flat.shape[0]
+        #: Mean square of the final hidden state per column: what an error in that column of
+        #: the table costs in the tied logits. Measured on the corpus beyond the evaluation
+        #: windows when there is at least one more window, else on the evaluation windows.
+        self.importance_held_out = len(held_out) > 0
+        calib = self._hidden(self.table, "importance", held_out) if len(held_out) else self.h_ref
+        self.importance = calib.reshape(-1, self.cols).square().mean(0).clamp_min(1e-12)
+        self._check_logits()
+        cache = self.positions * self.vocab * 4 <= REFERENCE_CACHE_BYTES
+        self._ref_cache: list[torch.Tensor] | None = [] if cache else None
+        self.ref_top = torch.empty(self.positions, dtype=torch.long)
+        for s, lp in self._reference_chunks():
+            self.ref_top[s : s + lp.shape[0]] = lp.argmax(-1)
+        self.reference_seconds = time.perf_counter() - started
+
+    # A run keeps only the final hidden states of the reference, and its log-probabilities
+    # when they are small; otherwise they are recomputed chunk by chunk for each format.
+    def _reference_chunks(self):
+        flat = self.h_ref.reshape(-1, self.cols)
+        for i, s in enumerate(range(0, self.positions, self.chunk)):
+            if self._ref_cache is not None and i < len(self._ref_cache):
+                yield s, self._ref_cache[i]
+                continue
+            lp = torch.log_softmax(self._logits(flat[s : s + self.chunk], self.head), -1)
+            if self._ref_cache is not None:
+                self._ref_cache.append(lp)
+            yield s, lp
+
+    def _logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        z = h @ weight.T
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    @torch.inference_mode()
+    def _hidden(self, table: torch.Tensor, desc: str,
+                windows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [windows, window, cols] with `table` as the input table."""
+        original = self.embedding.weight.data
+        self.embedding.weight.data = table
+        try:
+            out = []
+            for ids in _progress(self.windows if windows is None else windows, desc, self.progress):
+                out.append(self.body(input_ids=ids[None]).last_hidden_state[0])
+            return torch.stack(out)
+        finally:
+            self.embedding.weight.data = original
+
+    @torch.inference_mode()
+    def _check_logits(self) -> None:
+        """The logits computed here must be the model's own (softcap, scaling, head)."""
+        ids = self.windows[0, : min(64, self.windows.shape[1])][None]
+        theirs = self.model(input_ids=ids).logits[0]
+        ours = self._logits(self.h_ref[0, : ids.shape[1]], self.head)
+        if not torch.allclose(theirs, ours, atol=1e-3, rtol=1e-3):
+            raise RuntimeError("final hidden states @ head^T do not reproduce the model's logits; "
+                               "this architecture needs support in evaluate.py")
+
+    @torch.inference_mode()
+    def evaluate(self, candidate: Candidate) -> Result:
+        if candidate.roundtrip is None:
+            return Result(candidate)
+        started = time.perf_counter()
+        lossy = candidate.roundtrip(self.table, self.importance)
+        h_q = self._hidden(lossy, candidate.label).reshape(-1, self.cols)
+        modes = {"input": self.head}
+        if self.tied:
+            modes["tied"] = lossy
+        kld = {m: torch.empty(self.positions) for m in modes}
+        agree = {m: torch.empty(self.positions, dtype=torch.bool) for m in modes}
+        for s, lp_ref in _progress(list(self._reference_chunks()) if self._ref_cache is not None
+                                   else self._reference_chunks(), "logits", self.progress,
+                                   total=math.ceil(self.positions / self.chunk)):
+            p_ref = lp_ref.exp()
+            e = s + lp_ref.shape[0]
+            for mode, weight in modes.items():
+                z = self._logits(h_q[s:e], weight)
+                agree[mode][s:e] = z.argmax(-1) == self.ref_top[s:e]
+                lp = torch.log_softmax(z, -1)
+                del z
+                kld[mode][s:e] = lp.neg_().add_(lp_ref).mul_(p_ref).sum(-1)
+                del lp
+        del lossy
+        stats = {m: ModeStats(kld[m].mean().item(), torch.quantile(kld[m], 0.99).item(),
+                              agree[m].float().mean().item()) for m in modes}
+        return Result(candidate, seconds=time.perf_counter() - started, **stats)
+
+
+def _progress(items, desc: str, enabled: bool, total: int | None = None):
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc[:48], total=total, leave=False, file=sys.stderr)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def bit_class(bpw: float | None) -> str:
+    if bpw is None:
+        return "n/a"
+    for name, limit in BIT_CLASSES:
+        if bpw <= limit + 1e-9:
+            return name
+    return f"above {BIT_CLASSES[-1][1]} bpw"
+
+
+def _fmt_kld(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _table(results: Sequence[Result]) -> list[str]:
+    lines = [
+        "| format | bpw | input KLD mean | input KLD p99 | input top-1 "
+        "| tied KLD mean | tied KLD p99 | tied top-1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = [name for name, _ in BIT_CLASSES][::-1] + [f"above {BIT_CLASSES[-1][1]} bpw", "n/a"]
+    by_class: dict[str, list[Result]] = {}
+    for r in results:
+        by_class.setdefault(bit_class(r.candidate.bpw), []).append(r)
+    for name in sorted(by_class, key=lambda c: order.index(c) if c in order else len(order)):
+        budget = dict(BIT_CLASSES).get(name)
+        title = f"{name} (<= {budget} bpw)" if budget else name
+        lines.append(f"| **{title}** | | | | | | | |")
+
+        def key(r: Result):
+            return (r.tied or r.input).kld_mean if (r.tied or r.input) else math.inf
+
+        for r in sorted(by_class[name], key=key):
+            c = r.candidate
+            label = f"*{c.label}*" if c.kind == "llama.cpp" else c.label
+            bpw = "n/a" if c.bpw is None else f"{c.bpw:.2f}"
+            cells = []
+            for m in (r.input, r.tied):
+                if m is None:
+                    cells += ["n/a" if c.roundtrip is None else "-"] * 3
+                else:
+                    cells += [_fmt_kld(m.kld_mean), _fmt_kld(m.kld_p99), f"{m.top1:.2%}"]
+            if c.roundtrip is None and c.note:
+                cells[0] = f"n/a ({c.note})"
+            lines.append(f"| {label} | {bpw} | " + " | ".join(cells) + " |")
+    return lines
+
+
+@dataclass
+class Section:
+    title: str
+    results: list[Result]
+    positions: int
+    windows: int
+    window: int
+    #: Whether the column importance came from corpus text outside the evaluation windows.
+    importance_held_out: bool
+    degridded: bool
+    seconds: float
+
+
+@dataclass
+class ModelReport:
+    model: str
+    path: str
+    rows: int
+    cols: int
+    tied: bool
+    sections: list[Section]
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.sections)
+
+
+_PREAMBLE = """\
+Only the token table is replaced by dequantize(quantize(table)); everything else is the original
+model in float32 on the CPU. KLD = per-token KL(P_ref || P_quant) in nats over every position of
+the corpus windows (mean and 99th percentile); top-1 = agreement of the arg-max token with the
+reference. *input*: only the lookup reads the lossy table, the LM head keeps the original;
+*tied*: the same lossy table also produces the logits. bpw = stored bits per weight, scales,
+minimums and side tables included. Within a class, rows are sorted by tied KLD.
+
+- *Italic* rows are llama.cpp's reference quantizers (the `gguf` package): the anchors. K-quants
+  need rows that are a multiple of 256 columns (n/a otherwise).
+- *search N*: N candidate scales on each side of the plain one, then a least-squares refit
+  (llama.cpp's way). *importance-weighted*: that fit weighs each column's squared error by the
+  mean square of the final hidden state in that column (what an error there costs in the tied
+  logits), measured on the model with the corpus (see each section).
+- *outlier rows*: an experiment, not a storage format of the plugin: the share of rows with the
+  largest importance-weighted error kept in int8 symmetric group-32 instead; bpw counts those
+  rows at 8.5 bits plus a 32-bit row index each.
+- Both real tables were published as Q8_0 on aligned 32-column blocks: aligned Q8_0 reproduces
+  them almost exactly. Rows *shifted {shift}* move the block grid by {shift} columns, but that is
+  not fully honest either: a shifted block that holds an old block's largest value gets that
+  block's step back (Q8_0's max/127, or a searched scale near it) and reproduces half its values.
+  The last section per model therefore measures the 8-bit class on a *de-gridded* table: every
+  value moved by uniform noise of +-half its old Q8_0 step, then rounded to BF16 (a table that
+  was never quantized; the reference model uses it too). Judge 8-bit formats there."""
+
+
+def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str,
+                    date: str | None = None) -> str:
+    date = date or datetime.date.today().isoformat()
+    minutes = sum(r.seconds for r in reports) / 60
+    out = [
+        "# Fidelity of embedding-table formats",
+        "",
+        f"Generated {date} in {minutes:.0f} min by:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Corpus: {corpus}.",
+        "",
+        *_PREAMBLE.format(shift=SHIFT).splitlines(),
+    ]
+    for rep in reports:
+        out += [
+            "",
+            f"## {rep.model}",
+            "",
+            f"Checkpoint `{rep.path}`: token table {rep.rows} x {rep.cols}, "
+            f"{'tied' if rep.tied else 'untied'} LM head.",
+        ]
+        for sec in rep.sections:
+            where = ("the corpus text after the evaluation windows" if sec.importance_held_out
+                     else "the evaluation windows themselves (in-sample)")
+            out += [
+                "",
+                f"### {sec.title}",
+                "",
+                f"{sec.positions} positions ({sec.windows} windows of {sec.window} tokens); column "
+                f"importance measured on {where}; {sec.seconds / 60:.1f} min.",
+                "",
+                *_table(sec.results),
+            ]
+    return "\n".join(out) + "\n"
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def default_corpus() -> Path:
+    return Path(__file__).parent / "data" / "corpus.txt"
+
+
+def _resolve_model(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    from .real_models import prepare
+
+    return prepare(name)
+
+
+def evaluate_model(model: str, text: str, *, grid_name: str = "full", window: int = DEFAULT_WINDOW,
+                   max_positions: int = DEFAULT_POSITIONS, only: str | None = None,
+                   progress: bool = True) -> ModelReport:
+    """Evaluate every section of `grid_name` (rows whose label contains `only`, if given)."""
+    path = _resolve_model(model)
+    report = None
+    for title, rows_name, degridded in SECTIONS[grid_name]:
+        started = time.perf_counter()
+        run = FidelityRun(path, text, window=window, max_positions=max_positions,
+                          degrid_table=degridded, progress=progress)
+        rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
+        results = []
+        for i, cand in enumerate(rows):
+            results.append(run.evaluate(cand))
+            r = results[-1]
+            if progress and r.input is not None:
+                tied = f", tied {r.tied.kld_mean:.2e}" if r.tied else ""
+                print(f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
+                      f"{cand.bpw:.2f} bpw, input {r.input.kld_mean:.2e}{tied} "
+                      f"({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+        if report is None:
+            report = ModelReport(model=model, path=str(path), rows=run.rows, cols=run.cols,
+                                 tied=run.tied, sections=[])
+        report.sections.append(Section(
+            title=title, results=results, positions=run.positions, windows=run.windows.shape[0],
+            window=run.windows.shape[1], importance_held_out=run.importance_held_out,
+            degridded=degridded, seconds=time.perf_counter() - started))
+        del run
+    return report
+
+
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m vllm_embed_plugin.evaluate") -> int:
+    """The command line; `prog` is how the command that was run is written into the report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", required=True,
+                        help="a real model name (smollm2, gemma3-270m) or a checkpoint "
+                        "directory; repeatable")
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="plain text (default: the packaged corpus)")
+    parser.add_argument("--grid", default="full", choices=tuple(SECTIONS))
+    parser.add_argument("--only", default=None, help="evaluate only rows whose label contains this")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    parser.add_argument("--positions", type=int, default=DEFAULT_POSITIONS)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    corpus = args.corpus or default_corpus()
+    text = corpus.read_text(encoding="utf-8")
+    command = " ".join([prog, shlex.join(argv)])
+    shown = "the packaged `data/corpus.txt`" if args.corpus is None else f"`{args.corpus}`"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for model in args.model:
+        reports.append(evaluate_model(model, text, grid_name=args.grid, window=args.window,
+                                      max_positions=args.positions, only=args.only,
+                                      progress=not args.no_progress))
+        # Written after every model, so a long run keeps what it has measured.
+        md = render_markdown(reports, command=command, corpus=f"{shown}, {len(text.split())} words")
+        args.out.write_text(md, encoding="utf-8")
+        print(f"wrote {args.out} ({len(reports)}/{len(args.model)} models)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
