@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vllm_embed_plugin.formats import FORMATS, ConversionError, Fp8Format, IntFormat, make_format, quantize_table
+from vllm_embed_plugin.formats import FORMATS, ColumnImportance, ConversionError, Fp8Format, IntFormat, make_format, quantize_table
 from vllm_embed_plugin.formats import convert
 from vllm_embed_plugin.formats.integer import pack_bits, unpack_bits
 
@@ -82,21 +82,26 @@ def test_non_finite_rows_raise_and_leave_input_untouched():
     assert torch.equal(x.view(torch.int16), before.view(torch.int16))
 
 
-def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(monkeypatch):
+@pytest.mark.parametrize("joint", [None, False, True])
+def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(joint):
     x = gaussian_rows(rows=300)
+    importance = None
+    if joint is not None:  # with importance weights, and with rows rounded jointly (GPTQ)
+        h = torch.randn(2000, x.shape[1], generator=torch.Generator().manual_seed(3))
+        importance = ColumnImportance.from_second_moment(h.T @ h / 2000, joint)
     fmt = IntFormat("a", 6, 64, search=2)
-    one_shot = fmt.quantize(x)
+    one_shot = fmt.quantize(x, importance)
     rows_seen = []
     original = fmt.quantize
 
     class Spy(IntFormat):
-        def quantize(self, rows):
+        def quantize(self, rows, importance=None):
             rows_seen.append(rows.shape[0])
-            return original(rows)
+            return original(rows, importance)
 
     spy = Spy("a", 6, 64, search=2)
     budget = 64 * 576 * convert.SCRATCH_BYTES_PER_ELEMENT
-    chunked = quantize_table(x, spy, scratch_bytes=budget)
+    chunked = quantize_table(x, spy, scratch_bytes=budget, importance=importance)
     assert max(rows_seen) == 64 and sum(rows_seen) == 300
     for name, tensor in one_shot.tensors().items():
         assert torch.equal(tensor, getattr(chunked, name))

@@ -31,6 +31,7 @@ VARIANTS = [
     IntFormat("int5-affine-g32", 5, 32, symmetric=False),
     IntFormat("int4-g32", 4, 32),
     IntFormat("int4-affine-g32", 4, 32, symmetric=False),
+    IntFormat("int4-affine-g64", 4, 64, symmetric=False),
     IntFormat("int4-g128", 4, 128),
     IntFormat("int3-g16", 3, 16),
     IntFormat("int2-affine-row", 2, None, symmetric=False),
@@ -350,3 +351,31 @@ def test_gpu_host_view_is_zero_copy_exact_and_capturable():
     host = packed.map(lambda t: cuda_view_of_pinned(t.pin_memory()))
     out = kernels.lookup(fmt, host, ids, 640, torch.bfloat16)
     assert torch.equal(out.cpu(), fmt.dequantize(packed.rows(ids.cpu()), 640, torch.bfloat16))
+
+
+@cuda
+@pytest.mark.parametrize("bits, symmetric, group", [(8, True, 64), (5, False, 32), (4, False, 64), (4, True, 128)])
+def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
+    """The Triton group kernel does what the torch loop does: the same levels, but for rare
+    values where a fused multiply-add moves a carried error across a rounding boundary."""
+    from vllm_embed_plugin.formats import ColumnImportance
+    from vllm_embed_plugin.formats.integer import round_group_jointly_torch, round_jointly
+
+    gen = torch.Generator().manual_seed(bits)
+    cols, rows = 320, 3000
+    h = torch.randn(4 * cols, 16, generator=gen) @ torch.randn(16, cols, generator=gen)
+    h += torch.randn(4 * cols, cols, generator=gen)
+    factor = ColumnImportance.from_second_moment(h.T @ h / h.shape[0], joint=True).inverse_factor.cuda()
+    values = (torch.randn(rows, cols, generator=gen) * 0.02).cuda()
+    fmt = IntFormat("x", bits, group, symmetric=symmetric)
+    packed = fmt.quantize(values)  # plain scales: any fixed scales will do
+    scales = packed.scales.float()
+    mins = None if packed.mins is None else packed.mins.float()
+    fast = round_jointly(values, scales, mins, factor, group, bits, symmetric)
+    step, low = scales[:, 0].contiguous(), torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous()
+    # Whole groups: compare the first group exactly as the loop computes it.
+    ref_levels, ref_carried = round_group_jointly_torch(values[:, :group], step, low, factor[:group, :group], bits, symmetric)
+    assert (fast[:, :group] == ref_levels).float().mean() > 0.999
+    # And the whole table, through every group's carried errors, against the loop on the CPU.
+    cpu = round_jointly(values.cpu(), scales.cpu(), None if mins is None else mins.cpu(), factor.cpu(), group, bits, symmetric)
+    assert (fast.cpu() == cpu).float().mean() > 0.99

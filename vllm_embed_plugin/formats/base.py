@@ -40,6 +40,39 @@ class PackedRows:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
+@dataclass(frozen=True)
+class ColumnImportance:
+    """What an error in the table costs, from the second moment M = E[h h^T] of the hidden
+    states h that multiply the table's rows (a tied LM head's input; `importance.py`).
+
+    `weights` (M's diagonal) steer the scale search. With `inverse_factor` the codes of each
+    row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
+    columns after it, so it cancels in the logits instead of adding up."""
+
+    #: [cols] positive: the cost of a squared error in each column.
+    weights: torch.Tensor
+    #: [cols, cols] upper Cholesky factor of (M + damping)^-1, or None for per-column weights only.
+    inverse_factor: torch.Tensor | None = None
+
+    #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
+    DAMPING = 0.01
+
+    @classmethod
+    def from_second_moment(cls, moment: torch.Tensor, joint: bool) -> ColumnImportance:
+        moment = moment.double()
+        weights = moment.diagonal().clamp_min(1e-12).float()
+        if not joint:
+            return cls(weights)
+        damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
+            moment.shape[0], dtype=moment.dtype, device=moment.device)
+        inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
+        return cls(weights, torch.linalg.cholesky(inverse, upper=True).float())
+
+    def to(self, device) -> ColumnImportance:
+        factor = None if self.inverse_factor is None else self.inverse_factor.to(device)
+        return ColumnImportance(self.weights.to(device), factor)
+
+
 class TableFormat(ABC):
     """A storage format for an embedding table of `cols` columns."""
 
@@ -51,8 +84,9 @@ class TableFormat(ABC):
         """Stored bits per table element, scales and minimums included."""
 
     @abstractmethod
-    def quantize(self, rows: torch.Tensor) -> PackedRows:
-        """Quantize float rows [n, cols] (any float dtype) into packed rows."""
+    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+        """Quantize float rows [n, cols] (any float dtype) into packed rows. `importance`
+        steers the formats that search their scales; the others ignore it."""
 
     @abstractmethod
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:

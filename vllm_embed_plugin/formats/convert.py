@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ConversionError, PackedRows, TableFormat
+from .base import ColumnImportance, ConversionError, PackedRows, TableFormat
 
 #: Default bound on the conversion's transient memory (float32 copies, levels, packing).
 DEFAULT_SCRATCH_BYTES = 256 << 20
@@ -22,9 +22,13 @@ def quantize_table(
     fmt: TableFormat,
     scratch_bytes: int | None = None,
     out: PackedRows | None = None,
+    importance: ColumnImportance | None = None,
+    fused: bool = True,
 ) -> PackedRows:
     """Quantize a [rows, cols] table chunk by chunk into `out` (by default fresh storage on
-    the table's device; pinned host storage for host placement).
+    the table's device; pinned host storage for host placement). `importance`: what an error
+    in each column costs (`ColumnImportance`), for the formats that use it. `fused=False`
+    skips the one-pass GPU kernel (to measure or check the chunked path against it).
 
     Raises ConversionError (and allocates nothing that outlives the call) if a row is not
     finite. The input is never modified."""
@@ -32,17 +36,19 @@ def quantize_table(
     from ..kernels import quantize_rows_fast  # lazy: kernels imports formats
 
     # One fused pass on the GPU for the formats that have one (no scratch at all).
-    if (fast := quantize_rows_fast(fmt, weight, out)) is not None:
+    if fused and importance is None and (fast := quantize_rows_fast(fmt, weight, out)) is not None:
         return fast
     if out is None:
         out = fmt.empty(rows, cols, weight.device)
+    if importance is not None:
+        importance = importance.to(weight.device)
     step = chunk_rows(cols, scratch_bytes)
     for start in range(0, rows, step):
         chunk = weight[start : start + step]
         if not torch.isfinite(chunk).all():
             bad = start + int((~torch.isfinite(chunk)).any(dim=1).nonzero()[0])
             raise ConversionError(f"row {bad} of the table holds NaN or Inf")
-        packed = fmt.quantize(chunk)
+        packed = fmt.quantize(chunk, importance)
         for name, dst in out.tensors().items():
             dst[start : start + step].copy_(getattr(packed, name))
         del packed, chunk

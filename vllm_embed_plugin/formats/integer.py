@@ -8,7 +8,9 @@ are float16 for groups and float32 for a whole-row group.
 
 Scale choice follows llama.cpp's quantizers: try a few candidate scales per group, round, then
 solve least squares for the scale (and minimum) that best fits those rounded codes, and keep
-the candidate with the smallest squared error.
+the candidate with the smallest squared error. Given a column importance, that error is
+weighted per column, and with its inverse factor the codes of a row are chosen jointly (GPTQ,
+`_fit_jointly`), for a table that is also a tied LM head.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PackedRows, TableFormat
+from .base import ColumnImportance, PackedRows, TableFormat
 
 
 @dataclass(frozen=True)
@@ -69,35 +71,53 @@ class IntFormat(TableFormat):
     def describe(self, cols: int) -> str:
         group = "row" if self.group_size is None else str(self.group_size)
         kind = "symmetric" if self.symmetric else "affine"
-        return f"{self.name} ({self.bits}-bit {kind}, group {group}, {self.bits_per_weight(cols):.2f} bits/weight)"
+        search = ", importance-weighted scales" if self.search else ""
+        return f"{self.name} ({self.bits}-bit {kind}, group {group}{search}, {self.bits_per_weight(cols):.2f} bits/weight)"
 
     # -- quantize / dequantize ----------------------------------------------------------
 
-    def quantize(self, rows: torch.Tensor, importance: torch.Tensor | None = None) -> PackedRows:
-        """`importance` (optional): one positive weight per column for the squared error that
-        the scale search minimises, e.g. the mean square of the hidden state that multiplies
-        that column in a tied LM head. It steers only the search (`search` > 0): the codes are
-        always the nearest levels of the chosen scale. None weighs every column alike."""
+    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+        """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
+        (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
+        choice (GPTQ). None weighs every column alike and rounds each value to its nearest level."""
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
-        x = _pad_cols(rows.float(), groups * g).view(n, groups, g)
         if importance is None:
             col_weight = torch.ones(1, cols, device=rows.device)
         else:
-            col_weight = importance.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
+            col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
             if col_weight.shape[1] != cols or not bool((col_weight > 0).all()):
                 raise ValueError(f"importance must hold {cols} positive weights, one per column")
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
+        if importance is not None and importance.inverse_factor is not None:
+            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
+        else:
+            levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
+        codes = pack_bits(levels.reshape(n, groups * g)[:, :cols], self.bits)
+        return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
+                          mins=None if mins is None else mins.to(self.scale_dtype))
+
+    def _fit(self, x: torch.Tensor, weight: torch.Tensor):
+        """(levels, scale, mins or None) for groups x [n, G, g], each value at its nearest level."""
         if self.symmetric:
             levels, scale = _fit_symmetric(x, weight, self.bits, self.search, self.scale_dtype)
-            mins = None
-        else:
-            levels, scale, mins = _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
-            mins = mins.to(self.scale_dtype)
-        codes = pack_bits(levels.view(n, groups * g)[:, :cols], self.bits)
-        return PackedRows(codes=codes, scales=scale.to(self.scale_dtype), mins=mins)
+            return levels, scale, None
+        return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
+
+    def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor):
+        """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
+        the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
+        then the columns are rounded in order, each column's error (scaled by the inverse
+        factor of M) moved into the columns not yet rounded."""
+        n, cols = rows.shape
+        g = self.group_cols(cols)
+        groups = self.num_groups(cols)
+        _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
+        levels = round_jointly(rows, scale, mins, inverse_factor.to(rows.device, torch.float32),
+                               g, self.bits, self.symmetric)
+        return _pad_cols(levels, groups * g).view(n, groups, g), scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
         n = packed.num_rows
@@ -143,8 +163,7 @@ def _fit_symmetric(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, sca
         scale = best_scale
     # Round the codes against the scale exactly as it is stored.
     scale = scale.to(scale_dtype).float()
-    levels = torch.round(x * _safe_inv(scale)).clamp_(-nmax, nmax - 1)
-    return levels, scale.squeeze(-1)
+    return _round_symmetric(x * _safe_inv(scale), bits), scale.squeeze(-1)
 
 
 def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_dtype):
@@ -180,8 +199,67 @@ def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_
             best_err = torch.minimum(err, best_err)
     scale = scale.to(scale_dtype).float()
     mins = mins.to(scale_dtype).float()
-    levels = torch.round((x - mins) * _safe_inv(scale)).clamp_(0, nmax)
-    return levels, scale.squeeze(-1), mins.squeeze(-1)
+    return _round_affine((x - mins) * _safe_inv(scale), bits), scale.squeeze(-1), mins.squeeze(-1)
+
+
+def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
+                  factor: torch.Tensor, group: int, bits: int, symmetric: bool) -> torch.Tensor:
+    """Levels [n, cols] for float32 rows with fixed group scales [n, groups] (and minimums),
+    rounded column by column with GPTQ's error feedback through the upper `factor` [cols, cols].
+
+    Within a group every column waits for the one before it; the next groups take the group's
+    carried errors in one matrix product. On CUDA a Triton kernel rounds a whole group per
+    launch; elsewhere (and as its reference) the torch loop below does."""
+    n, cols = rows.shape
+    work = rows.clone()
+    levels = torch.empty_like(rows)
+    for k, a in enumerate(range(0, cols, group)):
+        b = min(a + group, cols)
+        step = scale[:, k].contiguous()
+        low = torch.zeros_like(step) if mins is None else mins[:, k].contiguous()
+        levels[:, a:b], carried = _round_group_jointly(work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
+        if b < cols:
+            work[:, b:] -= carried @ factor[a:b, b:]
+    return levels
+
+
+def _round_group_jointly(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                         factor: torch.Tensor, bits: int, symmetric: bool):
+    """(levels, carried errors) [n, width] of one group; `values` is not modified."""
+    if values.is_cuda:
+        from ..kernels import round_group_jointly_fast  # lazy: kernels imports formats
+
+        fast = round_group_jointly_fast(values, step, low, factor, bits, symmetric)
+        if fast is not None:
+            return fast
+    return round_group_jointly_torch(values, step, low, factor, bits, symmetric)
+
+
+def round_group_jointly_torch(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                              factor: torch.Tensor, bits: int, symmetric: bool):
+    values = values.clone()
+    width = values.shape[1]
+    inv = _safe_inv(step)
+    levels = torch.empty_like(values)
+    carried = torch.empty_like(values)
+    for j in range(width):
+        value = values[:, j]
+        scaled = (value - low) * inv
+        level = _round_symmetric(scaled, bits) if symmetric else _round_affine(scaled, bits)
+        error = (value - (level * step + low)) / factor[j, j]
+        values[:, j + 1 :] -= error[:, None] * factor[j, j + 1 :]
+        levels[:, j] = level
+        carried[:, j] = error
+    return levels, carried
+
+
+def _round_symmetric(scaled: torch.Tensor, bits: int) -> torch.Tensor:
+    nmax = 2 ** (bits - 1)
+    return torch.round(scaled).clamp_(-nmax, nmax - 1)
+
+
+def _round_affine(scaled: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.round(scaled).clamp_(0, 2**bits - 1)
 
 
 def _safe_inv(t: torch.Tensor) -> torch.Tensor:

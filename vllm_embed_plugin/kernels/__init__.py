@@ -121,4 +121,17 @@ def quantize_rows_fast(
     return kernels.quantize_rows_fast(fmt, rows, out)
 
 
-__all__ = ["lookup", "lookup_torch", "linear", "linear_torch", "quantize_rows_fast"]
+def round_group_jointly_fast(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                             factor: torch.Tensor, bits: int, symmetric: bool):
+    """GPTQ's rounding of one group on CUDA (see `formats.integer.round_jointly`); None means:
+    use the torch loop."""
+    if not values.is_cuda:
+        return None
+    kernels = _triton_module("triton_joint")
+    if kernels is None:
+        return None
+    return kernels.round_group_jointly(values, step, low, factor, bits, symmetric)
+
+
+__all__ = ["lookup", "lookup_torch", "linear", "linear_torch", "quantize_rows_fast",
+           "round_group_jointly_fast"]
