@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.checkpoints import write_checkpoint
 from tests.e2e import greedy_close, run_engine
@@ -127,3 +128,15 @@ def test_host_format_is_a_noop_on_the_cpu_backend(runs, models):
     assert embedding["method"] == "UnquantizedEmbeddingMethod"
     assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
     assert "format 'host' is a no-op on the CPU backend" in run.log
+
+
+def test_importance_file_of_another_model_stops_startup(tmp_path, models):
+    from vllm_embed_plugin import importance
+
+    wrong = importance.save(tmp_path / "other.safetensors", torch.eye(256), {"cols": 256})
+    env = {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_IMPORTANCE": str(wrong)}
+    run = run_engine(tmp_path, "bad-importance", env, "--model", str(models["target"]), timeout=300)
+    assert run.returncode != 0
+    assert "EmbedSettingsError" in run.log
+    assert "is (256, 256), but this table has 1024 columns: it was measured on another model" in run.log
+    assert "KV cache size" not in run.log

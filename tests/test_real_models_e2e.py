@@ -58,3 +58,40 @@ def test_greedy_answer_stays_with_bf16(runs):
         assert "Paris" in off["texts"][0]
     assert greedy_close(off, int8) == [], (off["texts"], int8["texts"])
     assert int8["kv_cache_tokens"] > off["kv_cache_tokens"]
+
+
+def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path):
+    """`calibrate`, then serve with its file: the worker's packed table must be exactly the
+    conversion made here with that importance, rows rounded jointly as for a tied table (and
+    not the plain one), and the answer must still follow BF16's."""
+    name, run = runs
+    if name != "smollm2":
+        pytest.skip("one model is enough for the wiring")
+    from safetensors.torch import load_file
+
+    from vllm_embed_plugin import importance
+    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.formats import make_format, quantize_table
+    from vllm_embed_plugin.introspect import digest
+
+    model = prepare(name)
+    weights = tmp_path / "smollm2.safetensors"
+    assert main(["calibrate", name, "--out", str(weights), "--positions", "1024"]) == 0
+    env = {"VLLM_EMBED_FORMAT": "int5", "VLLM_EMBED_IMPORTANCE": str(weights)}
+    weighted_run = run_probe(tmp_path, "int5-importance", env, "--model", str(model), *CASES[name],
+                             "--max-tokens", "24")
+    assert weighted_run.returncode == 0, weighted_run.log[-3000:]
+    assert ("int5 (5-bit affine, group 32, importance-weighted scales, 6.00 bits/weight), rows rounded "
+            "jointly for the tied head (GPTQ)") in weighted_run.log
+    tables = {t["name"]: t for t in weighted_run.result["workers"][0]["target"]["tables"]}
+    assert tables["lm_head"]["method"] == "TiedHeadMethod"
+
+    table = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"]
+    weighted = quantize_table(table, make_format("int5", weighted=True),
+                              importance=importance.load(weights, table.shape[1], joint=True))
+    plain = quantize_table(table, make_format("int5"))
+    expected = {"weight": digest(weighted.codes), "weight_scales": digest(weighted.scales),
+                "weight_mins": digest(weighted.mins)}
+    assert tables["model.embed_tokens"]["digests"] == expected
+    assert digest(plain.codes) != expected["weight"]
+    assert greedy_close(run["off"].result, weighted_run.result) == [], weighted_run.result["texts"]

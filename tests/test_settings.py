@@ -57,6 +57,23 @@ def test_config_file_rules_first_match_wins_and_env_overrides(tmp_path, monkeypa
     assert load_settings().format == "off"
 
 
+def test_importance_file_per_rule_or_global(tmp_path, monkeypatch):
+    a, b = write(tmp_path, "a.safetensors", "x"), write(tmp_path, "b.safetensors", "x")
+    config = write(tmp_path, "embed.toml", f"""
+        format = "int4"
+        importance = "{a}"
+
+        [[rules]]
+        match = "draft-*"
+        importance = "{b}"
+        """)
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    settings = load_settings()
+    assert settings.decide("/m/draft-1").importance == b
+    target = settings.decide("/m/target")
+    assert target.importance == a and f"importance {a}" in str(target)
+
+
 def test_yaml_config(tmp_path, monkeypatch):
     config = write(tmp_path, "embed.yaml", "format: int8\nmodels: [a, b]\n")
     monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
@@ -73,6 +90,8 @@ def test_yaml_config(tmp_path, monkeypatch):
         ({}, '[[rules]]\nmatch = "x"\nformatt = "int8"\n', ["rules.0.formatt", "unknown key", "match"]),
         ({}, 'format = "int4x"\n', ["format='int4x'", "'int8'"]),
         ({}, "format = int8\n", ["malformed TOML"]),
+        ({"VLLM_EMBED_IMPORTANCE": "/nonexistent/m.safetensors"}, None,
+         ["VLLM_EMBED_IMPORTANCE='/nonexistent/m.safetensors'", "not point to a file"]),
     ],
 )
 def test_bad_input_names_setting_value_and_allowed(tmp_path, monkeypatch, env, file_text, expected):

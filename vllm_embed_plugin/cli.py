@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 GiB = 1 << 30
 
@@ -65,6 +66,31 @@ def cmd_demo(args) -> int:
     return demo.main(args.demo_args)
 
 
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from . import importance
+    from .evaluate import default_corpus, resolve_model
+
+    path = resolve_model(args.model)
+    corpus = args.corpus or default_corpus()
+    torch.set_num_threads(args.threads)
+    moment, meta = importance.measure(path, corpus.read_text(encoding="utf-8"), window=args.window,
+                                      max_positions=args.positions, device=args.device,
+                                      dtype=getattr(torch, args.dtype))
+    meta["corpus"] = str(corpus)
+    out = args.out or importance.DEFAULT_DIR / f"{path.name}.safetensors"
+    importance.save(out, moment, meta)
+    values = moment.diagonal()
+    top = values.topk(min(4, values.numel()))
+    print(f"measured E[h h^T] on {meta['positions']} positions of {corpus}; column importance "
+          f"largest {', '.join(f'{v:.3g} (column {i})' for v, i in zip(top.values.tolist(), top.indices.tolist()))}, "
+          f"median {values.median().item():.3g}")
+    print(f"wrote {out}; use it with:")
+    print(f"  VLLM_EMBED_IMPORTANCE={out}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from .real_models import prepare
 
@@ -95,6 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="chat with a real model in vLLM, plugin off then on", add_help=False)
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=cmd_demo)
+
+    calibrate = sub.add_parser(
+        "calibrate", help="measure a model's column importance once; the scale search then uses it")
+    calibrate.add_argument("model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m")
+    calibrate.add_argument("--out", type=Path, default=None,
+                           help="file to write (default: the cache, named after the model directory)")
+    calibrate.add_argument("--corpus", type=Path, default=None, help="plain text (default: the packaged corpus)")
+    calibrate.add_argument("--positions", type=int, default=4096, help="tokens to measure on")
+    calibrate.add_argument("--window", type=int, default=512)
+    calibrate.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
+    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    calibrate.add_argument("--threads", type=int, default=2)
+    calibrate.set_defaults(func=cmd_calibrate)
 
     prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")
     prepare.add_argument("name", help="smollm2 or gemma3-270m")

@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def digest(tensor: torch.Tensor) -> str:
+    """A fingerprint of a tensor's bytes, to compare a table in the worker with one built here."""
+    import hashlib
+
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()[:16]
+
+
 def embedding_report(model: torch.nn.Module) -> dict:
     """The model's vocabulary tables (embeddings and LM heads): how each is stored and its
     bytes, plus every float tensor shaped like a vocabulary table, wherever it lives."""
@@ -32,6 +40,7 @@ def embedding_report(model: torch.nn.Module) -> dict:
                 "cols": module.embedding_dim,
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                 "tensors": {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
+                "digests": {n: digest(t) for n, t in tensors.items()},
             }
         )
         vocab_shapes.add((module.num_embeddings_per_partition, module.embedding_dim))

@@ -17,7 +17,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from .formats import make_format
+from . import importance
+from .formats import IntFormat, make_format
 from .log import log_once
 from .method import CompactEmbeddingMethod
 from .settings import EmbedSettingsError, current_settings
@@ -88,12 +89,29 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         if name == "off":
             return None
     label = where + (" (tied LM head)" if tied else "")
+    importance = _importance(decision, name, layer.embedding_dim, where, tied)
     return CompactEmbeddingMethod(
-        make_format(name, decision.group_size),
+        make_format(name, decision.group_size, weighted=importance is not None),
         label=label,
         on_error=current_settings().on_error,
         on_host=name == decision.format and decision.on_host,
+        importance=importance,
     )
+
+
+def _importance(decision, name: str, cols: int, where: str, tied: bool):
+    """The column importance (`importance.py`), if one is set and the format uses it. A tied
+    table also serves as the LM head, whose input the importance measures, so its rows are
+    rounded jointly against it; an untied table only gets the weighted scale search."""
+    if decision.importance is None:
+        return None
+    if not isinstance(make_format(name), IntFormat):
+        log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
+        return None
+    try:
+        return importance.load(decision.importance, cols, joint=tied)
+    except importance.ImportanceError as exc:
+        raise EmbedSettingsError(f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}") from None
 
 
 def _tied_fallback(decision, where: str) -> str:

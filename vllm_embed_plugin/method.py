@@ -18,7 +18,7 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
 from .log import logger
-from .formats import ConversionError, PackedRows, TableFormat, quantize_table
+from .formats import ColumnImportance, ConversionError, PackedRows, TableFormat, quantize_table
 
 
 GiB = 1 << 30
@@ -30,8 +30,11 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
 
-    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False):
+    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False,
+                 importance: ColumnImportance | None = None):
         self.fmt = fmt
+        #: What an error in each column costs (`importance.py`); dropped after conversion.
+        self.importance = importance
         self.label = label
         self.on_error = on_error
         #: Keep the table in pinned host memory, read through unified virtual addressing.
@@ -73,27 +76,29 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             return
         self._install(layer, packed, host_tensors)
         rows, cols = weight.shape
+        joint = self.importance is not None and self.importance.inverse_factor is not None
         logger.info(
             "vllm-embed-plugin: %s: %d x %d table -> %s, %.3f GiB -> %.3f GiB in %s, in %.2f s",
             self.label,
             rows,
             cols,
-            self.fmt.describe(cols),
+            self.fmt.describe(cols) + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
             weight.numel() * weight.element_size() / GiB,
             packed.nbytes / GiB,
             "pinned host memory (0 GiB of GPU memory)" if self.on_host else f"{weight.device.type} memory",
             time.perf_counter() - started,
         )
         del weight
+        self.importance = None
         memory.conversion_finished()
 
     def _quantize(self, weight: torch.Tensor) -> tuple[PackedRows, PackedRows | None]:
         """(the packed table the layer will use, the pinned host tensors behind it or None)."""
         rows, cols = weight.shape
         if not self.on_host:
-            return quantize_table(weight, self.fmt), None
+            return quantize_table(weight, self.fmt, importance=self.importance), None
         host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
-        quantize_table(weight, self.fmt, out=host)
+        quantize_table(weight, self.fmt, out=host, importance=self.importance)
         return host.map(get_accelerator_view_from_cpu_tensor), host
 
     def _install(self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None) -> None:

