@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_embed_plugin import kernels  # noqa: E402
-from vllm_embed_plugin.formats import Fp8Format, IntFormat, quantize_table  # noqa: E402
+from vllm_embed_plugin.formats import ColumnImportance, Fp8Format, IntFormat, make_format, quantize_table  # noqa: E402
 from vllm_embed_plugin.formats.base import PackedRows, TableFormat  # noqa: E402
 
 HBM = 4.8e12
@@ -42,11 +42,12 @@ FORMATS: list[tuple[str, TableFormat]] = [
     ("int5 affine g32", IntFormat("int5", 5, 32, symmetric=False)),
     ("int4 g32", IntFormat("int4", 4, 32)),
     ("int4 affine g32", IntFormat("int4", 4, 32, symmetric=False)),
+    ("int4 affine g64", IntFormat("int4", 4, 64, symmetric=False)),
     ("fp8 per-row", Fp8Format("fp8", None)),
 ]
 GEMM_TABLE = (262144, 2560)
 GEMM_MS = [1, 16, 256, 4096]
-GEMM_FORMATS = [FORMATS[0], FORMATS[6], FORMATS[7]]
+GEMM_FORMATS = [f for f in FORMATS if f[0] in ("int8 per-row", "int8 g64", "int4 g32", "int4 affine g64")]
 HOST_NS = [1, 64, 256, 2048, 65536]
 
 
@@ -277,7 +278,7 @@ def bench_conversion(log):
         results = {}
         for path in ("torch (convert.py)", "Triton quantize_rows_fast"):
             if path.startswith("torch"):
-                fn = lambda: quantize_table(weight, fmt)  # noqa: E731
+                fn = lambda: quantize_table(weight, fmt, fused=False)  # noqa: E731
             else:
                 fn = lambda: kernels.quantize_rows_fast(fmt, weight)  # noqa: E731
             times = []
@@ -302,6 +303,32 @@ def bench_conversion(log):
         out_rows[-1].append("yes" if exact else "NO")
         out_rows[-2].append("-")
         del results, a, b
+    # With a column importance (a random second moment with one massive column): the search
+    # of WEIGHTED_SEARCH scales each side (untied tables), plus joint rounding (tied tables).
+    hidden = torch.randn(4096, cols, device="cuda")
+    hidden[:, 3] += 20.0
+    moment = hidden.T @ hidden / hidden.shape[0]
+    for joint in (False, True):
+        importance = ColumnImportance.from_second_moment(moment, joint)
+        for name in ("int8", "int5", "int4"):
+            fmt = make_format(name, weighted=True)
+            label = f"{_format_name(fmt)} + importance, {'tied' if joint else 'untied'}"
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                packed = quantize_table(weight, fmt, importance=importance)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                peak = torch.cuda.max_memory_allocated() - base - packed.nbytes
+                del packed
+            path = f"torch, search {fmt.search} each side" + (" + Triton joint rounding" if joint else "")
+            out_rows.append([label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB", "-"])
+            summary[(label, path)] = (times, peak)
+            log(f"convert {label}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB")
     del weight
     torch.cuda.empty_cache()
     return (
@@ -309,6 +336,11 @@ def bench_conversion(log):
         "'first' includes Triton's compile; 'identical' = same bytes as the torch path.\n\n"
         + md_table(["format", "path", "first call", "second call", "transient", "identical"], out_rows)
     ), summary
+
+
+def _format_name(fmt: IntFormat) -> str:
+    group = "per-row" if fmt.group_size is None else f"g{fmt.group_size}"
+    return f"{fmt.name}{'' if fmt.symmetric else ' affine'} {group}"
 
 
 def bench_host(log):
