@@ -269,6 +269,23 @@ def bench_gemm(log):
     ), summary
 
 
+def time_conversion(fn):
+    """(seconds of a first and a second call, transient bytes, the packed result) of fn()."""
+    times, peak, packed = [], 0, None
+    for _ in range(2):
+        del packed
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        packed = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() - base - packed.nbytes
+    return times, peak, packed
+
+
 def bench_conversion(log):
     rows, cols = TABLES[0]
     weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
@@ -281,19 +298,7 @@ def bench_conversion(log):
                 fn = lambda: quantize_table(weight, fmt, fused=False)  # noqa: E731
             else:
                 fn = lambda: kernels.quantize_rows_fast(fmt, weight)  # noqa: E731
-            times = []
-            for _ in range(2):
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                packed = fn()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                peak = torch.cuda.max_memory_allocated() - base - packed.nbytes
-                results[path] = packed
-                del packed
+            times, peak, results[path] = time_conversion(fn)
             out_rows.append([label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB"])
             summary[(label, path)] = (times, peak)
             log(f"convert {label} {path}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB")
@@ -313,18 +318,7 @@ def bench_conversion(log):
         for name in ("int8", "int5", "int4"):
             fmt = make_format(name, weighted=True)
             label = f"{_format_name(fmt)} + importance, {'tied' if joint else 'untied'}"
-            times = []
-            for _ in range(2):
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                packed = quantize_table(weight, fmt, importance=importance)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                peak = torch.cuda.max_memory_allocated() - base - packed.nbytes
-                del packed
+            times, peak, _ = time_conversion(lambda: quantize_table(weight, fmt, importance=importance))
             path = f"torch, search {fmt.search} each side" + (" + Triton joint rounding" if joint else "")
             out_rows.append([label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB", "-"])
             summary[(label, path)] = (times, peak)
