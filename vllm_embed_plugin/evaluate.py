@@ -12,10 +12,10 @@ top-1 agreement with the reference. The body runs once per format (with the loss
 both logit sets come from its final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T.
 At most one lossy float32 table exists at a time besides the original.
 
-Rows are plugin formats (`TableFormat`), llama.cpp reference formats through the `gguf`
-package's reference quantizers, and two experiments computed here only: an importance-weighted
-scale fit (columns weighted by the mean square of the final hidden state) and "outlier rows"
-(the rows with the largest error kept at 8 bits).
+Rows are plugin formats (`TableFormat`), plain or with a column importance (`importance.py`,
+measured here on held-out text as `vllm-embed-plugin calibrate` measures it), llama.cpp
+reference formats through the `gguf` package's reference quantizers, and one experiment
+computed here only: "outlier rows" (the rows with the largest error kept at 8 bits).
 
     python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
 
@@ -39,7 +39,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .formats import Fp8Format, IntFormat, TableFormat
+from . import importance
+from .formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
 from .formats.convert import chunk_rows
 
 __all__ = [
@@ -75,7 +76,8 @@ REFERENCE_CACHE_BYTES = 1 << 30
 #: whose budget it fits.
 BIT_CLASSES = (("4-bit class", 4.5), ("6-bit class", 6.0), ("8-bit class", 8.5))
 
-#: One lossy copy of a float32 table: (table [rows, cols], column importance [cols]) -> table.
+#: One lossy copy of a float32 table: (table [rows, cols], second moment M [cols, cols] of the
+#: final hidden state, see importance.py) -> table.
 Roundtrip = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -122,12 +124,16 @@ def _format_label(fmt: TableFormat) -> str:
     return f"int{fmt.bits} {kind} {group}{search}"
 
 
-def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool) -> Roundtrip:
-    def roundtrip(table: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-        kwargs = {"importance": _roll(importance, shift)} if weighted else {}
+def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool,
+                      joint: bool = False) -> Roundtrip:
+    def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+        weights = None
+        if weighted:
+            moved = torch.roll(moment, (-shift, -shift), dims=(0, 1)) if shift else moment
+            weights = ColumnImportance.from_second_moment(moved, joint)
 
         def one(chunk: torch.Tensor) -> torch.Tensor:
-            packed = fmt.quantize(_roll(chunk, shift), **kwargs)
+            packed = fmt.quantize(_roll(chunk, shift), weights)
             return _unroll(fmt.dequantize(packed, cols, torch.float32), shift)
 
         return _chunked(table, one)
@@ -136,18 +142,19 @@ def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool) -
 
 
 def plugin_row(fmt: TableFormat, cols: int, *, shift: int = 0, weighted: bool = False,
-               label: str | None = None) -> Candidate:
+               joint: bool = False, label: str | None = None) -> Candidate:
     """A plugin format. `shift` moves its groups off column 0 (the honest test on a table
     that was stored on aligned blocks before); `weighted` passes the measured column importance
-    to the scale search (IntFormat only)."""
+    to the scale search, and `joint` also rounds each row jointly against it (GPTQ; what the
+    plugin does for a tied table). IntFormat only."""
     if weighted and not isinstance(fmt, IntFormat):
         raise ValueError("only IntFormat takes an importance")
     if label is None:
         label = _format_label(fmt) + (", importance-weighted" if weighted else "")
+        label += ", rows rounded jointly" if joint else ""
         label += f", shifted {shift}" if shift else ""
-    roundtrip = _plugin_roundtrip(fmt, cols, shift, weighted)
-    return Candidate(label, fmt.bits_per_weight(cols), roundtrip,
-                     kind="experiment" if weighted else "plugin")
+    roundtrip = _plugin_roundtrip(fmt, cols, shift, weighted or joint, joint)
+    return Candidate(label, fmt.bits_per_weight(cols), roundtrip)
 
 
 def identity_row(cols: int) -> Candidate:
@@ -192,15 +199,16 @@ def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat |
     base_bpw = base.bits_per_weight(cols)
     bpw = base_bpw + share * (high.bits_per_weight(cols) - base_bpw + 32 / cols)
 
-    def roundtrip(table: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-        lossy = base_rt(table, importance)
+    def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+        lossy = base_rt(table, moment)
+        importance = moment.diagonal()
         err = torch.empty(table.shape[0])
         step = chunk_rows(cols)
         for s in range(0, table.shape[0], step):
             diff = lossy[s : s + step] - table[s : s + step]
             err[s : s + step] = (diff.square() * importance).sum(1)
         rows = err.topk(max(1, round(share * table.shape[0]))).indices
-        lossy[rows] = high_rt(table[rows], importance)
+        lossy[rows] = high_rt(table[rows], moment)
         return lossy
 
     label = (f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
@@ -255,20 +263,29 @@ def grid(name: str, cols: int) -> list[Candidate]:
     if name == "anchors":
         return anchors
     if name == "plugin":
-        # The formats as the plugin ships them, beside llama.cpp's at the same sizes.
-        from .formats import FORMATS
+        # The formats as the plugin ships them: plain, and with a column-importance file as
+        # the plugin applies it to a tied table (search + joint rounding) and to an untied one
+        # (search only; judge its input column), beside llama.cpp's at the same sizes.
+        from .formats import FORMATS, make_format
 
-        return [
+        rows = [
             llama_cpp_row("Q8_0", cols, shift=SHIFT),
             plugin_row(I("int8", 8, None), cols, label="int8 sym row (the fork's format)"),
-            *[plugin_row(fmt, cols, label=f"**{fmt.name}** (default): {_format_label(fmt)}") for fmt in FORMATS.values()],
-            plugin_row(dataclasses.replace(FORMATS["int8"], group_size=32), cols,
-                       label="**int8**, group_size=32: int8 sym g32"),
-            llama_cpp_row("Q5_1", cols),
-            llama_cpp_row("Q5_0", cols),
-            llama_cpp_row("Q4_1", cols),
-            llama_cpp_row("Q4_0", cols),
         ]
+        for name, fmt in FORMATS.items():
+            rows.append(plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}"))
+            if isinstance(fmt, IntFormat):
+                searched = make_format(name, weighted=True)
+                rows.append(plugin_row(searched, cols, weighted=True, joint=True,
+                                       label=f"**{name} + importance, tied**: {_format_label(searched)}, rows rounded jointly"))
+                rows.append(plugin_row(searched, cols, weighted=True,
+                                       label=f"**{name} + importance, untied**: {_format_label(searched)}"))
+        int8_g32 = make_format("int8", group_size=32, weighted=True)
+        rows.append(plugin_row(int8_g32, cols, weighted=True, joint=True, shift=SHIFT,
+                               label=f"**int8 + importance, tied**, group_size=32: {_format_label(int8_g32)}, rows rounded jointly, shifted {SHIFT}"))
+        rows.append(plugin_row(int8_g32, cols, weighted=True, shift=SHIFT,
+                               label=f"**int8 + importance, untied**, group_size=32: {_format_label(int8_g32)}, shifted {SHIFT}"))
+        return rows + [llama_cpp_row(t, cols) for t in ("Q5_1", "Q5_0", "Q4_1", "Q4_0")]
     if name == "8bit":
         return [
             llama_cpp_row("Q8_0", cols),
@@ -327,24 +344,6 @@ class Result:
     seconds: float = 0.0
 
 
-def _load_windows(tokenizer, text: str, window: int, max_positions: int):
-    """Token windows [n, window] for the evaluation and the held-out rest of the corpus [m, window]
-    (possibly empty): each window is the special prefix the tokenizer adds (e.g. <bos>), then
-    consecutive corpus tokens. A corpus shorter than one window gives one shorter window."""
-    probe = " the"
-    with_special = tokenizer(probe)["input_ids"]
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    prefix = []
-    if with_special[-len(plain):] == plain:
-        prefix = with_special[: len(with_special) - len(plain)]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    body = min(window - len(prefix), len(ids))
-    available = max(1, len(ids) // body)
-    n = min(available, max(1, max_positions // window))
-    rows = [prefix + ids[i * body : (i + 1) * body] for i in range(available)]
-    return torch.tensor(rows[:n], dtype=torch.long), torch.tensor(rows[n:], dtype=torch.long)
-
-
 class FidelityRun:
     """One model and corpus: the reference pass, then `evaluate(candidate)` per row."""
 
@@ -358,7 +357,7 @@ class FidelityRun:
         self.progress = progress
         self.model_path = Path(model_path)
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self.windows, held_out = _load_windows(tokenizer, text, window, max_positions)
+        self.windows, held_out = importance.token_windows(tokenizer, text, window, max_positions)
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         model.eval()
         self.model = model
@@ -383,7 +382,9 @@ class FidelityRun:
         #: windows when there is at least one more window, else on the evaluation windows.
         self.importance_held_out = len(held_out) > 0
         calib = self._hidden(self.table, "importance", held_out) if len(held_out) else self.h_ref
-        self.importance = calib.reshape(-1, self.cols).square().mean(0).clamp_min(1e-12)
+        #: M = E[h h^T] of the final hidden state (importance.py), and its diagonal.
+        self.second_moment = importance.second_moment(calib)
+        self.importance = self.second_moment.diagonal().clamp_min(1e-12)
         self._check_logits()
         cache = self.positions * self.vocab * 4 <= REFERENCE_CACHE_BYTES
         self._ref_cache: list[torch.Tensor] | None = [] if cache else None
@@ -440,7 +441,7 @@ class FidelityRun:
         if candidate.roundtrip is None:
             return Result(candidate)
         started = time.perf_counter()
-        lossy = candidate.roundtrip(self.table, self.importance)
+        lossy = candidate.roundtrip(self.table, self.second_moment)
         h_q = self._hidden(lossy, candidate.label).reshape(-1, self.cols)
         modes = {"input": self.head}
         if self.tied:
@@ -560,20 +561,41 @@ minimums and side tables included. Within a class, rows are sorted by tied KLD.
 
 - *Italic* rows are llama.cpp's reference quantizers (the `gguf` package): the anchors. K-quants
   need rows that are a multiple of 256 columns (n/a otherwise).
-- *search N*: N candidate scales on each side of the plain one, then a least-squares refit
-  (llama.cpp's way). *importance-weighted*: that fit weighs each column's squared error by the
-  mean square of the final hidden state in that column (what an error there costs in the tied
-  logits), measured on the model with the corpus (see each section).
-- *outlier rows*: an experiment, not a storage format of the plugin: the share of rows with the
+- *+ importance*: the plugin given a file from `vllm-embed-plugin calibrate`
+  (`VLLM_EMBED_IMPORTANCE`), which holds M = E[h h^T], the second moment of the final hidden
+  state h (what the tied head multiplies the table with). The scales are searched (*search N*:
+  N candidate scales on each side of the plain one, each refit by least squares, llama.cpp's
+  way) weighing each column's squared error by M's diagonal. *tied*: as the plugin treats a
+  tied table, each row's codes are also chosen jointly against M (GPTQ), so their errors cancel
+  in the logits. *untied*: the search only, as the plugin treats an untied table: only its
+  input columns apply. Here M is measured on the corpus text after the evaluation windows (see
+  each section), so it is never fitted to the text it is judged on. Rows without it are the
+  plugin with no file."""
+
+_GRIDDED_NOTE = """- Both real tables were published as Q8_0 on aligned 32-column blocks: aligned Q8_0, and any
+  int8 on aligned 32-column groups, reproduce them almost exactly. Rows *shifted {shift}* move the
+  group grid by {shift} columns: the honest 8.5-bit comparison the task names. It is not fully
+  honest either: a shifted block that holds an old block's largest value gets that block's step
+  back and reproduces half its values; that favours shifted Q8_0 and shifted int8 g32 alike."""
+
+_OUTLIER_NOTE = """- *outlier rows*: an experiment, not a storage format of the plugin: the share of rows with the
   largest importance-weighted error kept in int8 symmetric group-32 instead; bpw counts those
-  rows at 8.5 bits plus a 32-bit row index each.
-- Both real tables were published as Q8_0 on aligned 32-column blocks: aligned Q8_0 reproduces
-  them almost exactly. Rows *shifted {shift}* move the block grid by {shift} columns, but that is
-  not fully honest either: a shifted block that holds an old block's largest value gets that
-  block's step back (Q8_0's max/127, or a searched scale near it) and reproduces half its values.
-  The last section per model therefore measures the 8-bit class on a *de-gridded* table: every
-  value moved by uniform noise of +-half its old Q8_0 step, then rounded to BF16 (a table that
-  was never quantized; the reference model uses it too). Judge 8-bit formats there."""
+  rows at 8.5 bits plus a 32-bit row index each."""
+
+_DEGRID_NOTE = """- The last section per model measures the 8-bit class on a *de-gridded* table: every value
+  moved by uniform noise of +-half its old Q8_0 step, then rounded to BF16 (a table that was
+  never quantized; the reference model uses it too). Judge 8-bit formats there too."""
+
+
+def preamble(reports: Sequence[ModelReport]) -> str:
+    """The explanation above the tables, with the notes that apply to the rows present."""
+    labels = [r.candidate.label for rep in reports for sec in rep.sections for r in sec.results]
+    parts = [_PREAMBLE, _GRIDDED_NOTE.format(shift=SHIFT)]
+    if any("outlier rows" in label for label in labels):
+        parts.append(_OUTLIER_NOTE)
+    if any(sec.degridded for rep in reports for sec in rep.sections):
+        parts.append(_DEGRID_NOTE)
+    return "\n".join(parts)
 
 
 def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str,
@@ -591,7 +613,7 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
         "",
         f"Corpus: {corpus}.",
         "",
-        *_PREAMBLE.format(shift=SHIFT).splitlines(),
+        *preamble(reports).splitlines(),
     ]
     for rep in reports:
         out += [
@@ -623,7 +645,7 @@ def default_corpus() -> Path:
     return Path(__file__).parent / "data" / "corpus.txt"
 
 
-def _resolve_model(name: str) -> Path:
+def resolve_model(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         return path
@@ -636,7 +658,7 @@ def evaluate_model(model: str, text: str, *, grid_name: str = "full", window: in
                    max_positions: int = DEFAULT_POSITIONS, only: str | None = None,
                    progress: bool = True) -> ModelReport:
     """Evaluate every section of `grid_name` (rows whose label contains `only`, if given)."""
-    path = _resolve_model(model)
+    path = resolve_model(model)
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
         started = time.perf_counter()
