@@ -66,6 +66,13 @@ def test_importance_lowers_what_the_error_costs(name):
     assert joint < 0.2 * weighted
 
 
+def test_weights_are_checked_once_when_built():
+    with pytest.raises(ValueError, match="one positive number per column"):
+        ColumnImportance(torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="has 3 weights for 4 columns"):
+        make_format("int8", weighted=True).quantize(torch.zeros(2, 4) + 0.5, ColumnImportance(torch.ones(3)))
+
+
 def test_non_integer_formats_ignore_weighting():
     assert make_format("fp8", weighted=True) == make_format("fp8")
 

@@ -89,13 +89,13 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         if name == "off":
             return None
     label = where + (" (tied LM head)" if tied else "")
-    importance = _importance(decision, name, layer.embedding_dim, where, tied)
+    column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
     return CompactEmbeddingMethod(
-        make_format(name, decision.group_size, weighted=importance is not None),
+        make_format(name, decision.group_size, weighted=column_importance is not None),
         label=label,
         on_error=current_settings().on_error,
         on_host=name == decision.format and decision.on_host,
-        importance=importance,
+        importance=column_importance,
     )
 
 

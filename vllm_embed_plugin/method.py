@@ -60,6 +60,7 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             # Builds the new tensors only; the layer is not touched until `_install`.
             packed, host_tensors = self._quantize(weight.data)
         except Exception as exc:
+            self.importance = None
             memory.conversion_finished()
             if self.on_error == "fail":
                 raise ConversionError(

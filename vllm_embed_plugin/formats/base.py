@@ -57,6 +57,11 @@ class ColumnImportance:
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
 
+    def __post_init__(self) -> None:
+        # Checked once here, not on every chunk a format quantizes.
+        if self.weights.dim() != 1 or not bool((self.weights > 0).all()):
+            raise ValueError("importance weights must be one positive number per column")
+
     @classmethod
     def from_second_moment(cls, moment: torch.Tensor, joint: bool) -> ColumnImportance:
         moment = moment.double()

@@ -87,15 +87,16 @@ class IntFormat(TableFormat):
             col_weight = torch.ones(1, cols, device=rows.device)
         else:
             col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
-            if col_weight.shape[1] != cols or not bool((col_weight > 0).all()):
-                raise ValueError(f"importance must hold {cols} positive weights, one per column")
+            if col_weight.shape[1] != cols:
+                raise ValueError(f"importance has {col_weight.shape[1]} weights for {cols} columns")
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if importance is not None and importance.inverse_factor is not None:
             levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
         else:
             levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
-        codes = pack_bits(levels.reshape(n, groups * g)[:, :cols], self.bits)
+            levels = levels.reshape(n, groups * g)[:, :cols]
+        codes = pack_bits(levels, self.bits)
         return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
                           mins=None if mins is None else mins.to(self.scale_dtype))
 
@@ -110,14 +111,14 @@ class IntFormat(TableFormat):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded in order, each column's error (scaled by the inverse
-        factor of M) moved into the columns not yet rounded."""
+        factor of M) moved into the columns not yet rounded. Levels come back [n, cols]."""
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
         levels = round_jointly(rows, scale, mins, inverse_factor.to(rows.device, torch.float32),
                                g, self.bits, self.symmetric)
-        return _pad_cols(levels, groups * g).view(n, groups, g), scale, mins
+        return levels, scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
         n = packed.num_rows
