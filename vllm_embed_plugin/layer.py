@@ -2,8 +2,8 @@
 it belongs to and which format it gets. Everything else is vLLM's own layer.
 
 vLLM builds every `VocabParallelEmbedding(...)` through `PluggableLayer.__new__`, which looks
-the class name up in the out-of-tree registry; `ParallelLMHead` has its own name and is
-never replaced here.
+the class name up in the out-of-tree registry. `ParallelLMHead` is registered too
+(`TiedCompactLMHead`), but only its `tie_weights` differs from vLLM's.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         return None
     role, model_config = _owning_model(vllm_config)
     text_config = model_config.hf_text_config
-    where = f"{role} {layer.prefix or 'embedding'}"
+    where = f"{role} {getattr(layer, 'prefix', '') or 'embedding'}"  # no prefix before vLLM 0.28
 
     if layer.org_vocab_size != getattr(text_config, "vocab_size", None):
         return None  # a position or token-type table, not the token embedding
@@ -75,7 +75,7 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             f"({type(layer.quant_method).__name__}) already covers it"
         )
         return None
-    if model_config.word_embeddings_untied_by_checkpoint:
+    if getattr(model_config, "word_embeddings_untied_by_checkpoint", False):  # vLLM >= 0.28
         # vLLM re-ties such a head only to an unconverted table; converting would keep both.
         log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
         return None
@@ -90,52 +90,28 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             return None
     label = where + (" (tied LM head)" if tied else "")
     column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
-    return CompactEmbeddingMethod(
+    method = CompactEmbeddingMethod(
         make_format(name, decision.group_size, weighted=column_importance is not None),
         label=label,
         on_error=current_settings().on_error,
         on_host=name == decision.format and decision.on_host,
         importance=column_importance,
     )
+    _key_compile_cache(vllm_config, label, method)
+    return method
 
 
-def _importance(decision, name: str, cols: int, where: str, tied: bool):
-    """The column importance (`importance.py`), if one is set and the format uses it. A tied
-    table also serves as the LM head, whose input the importance measures, so its rows are
-    rounded jointly against it; an untied table only gets the weighted scale search."""
-    if decision.importance is None:
-        return None
-    if not isinstance(make_format(name), IntFormat):
-        log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
-        return None
-    try:
-        return importance.load(decision.importance, cols, joint=tied)
-    except importance.ImportanceError as exc:
-        raise EmbedSettingsError(f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}") from None
-
-
-def _tied_fallback(decision, where: str) -> str:
-    """A tied head computes logits from the table on the GPU, so a host table cannot serve it."""
-    if decision.tied_fallback is None:
-        raise EmbedSettingsError(
-            f"{where}: format {decision.format!r} keeps the table in host memory, but this model's "
-            "LM head is tied to it and must read it on the GPU; set tied_fallback (e.g. "
-            "VLLM_EMBED_TIED_FALLBACK=int8, or per rule) or choose a device format"
-        )
-    log_once(f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}")
-    return decision.tied_fallback
-
-
-def _owning_model(vllm_config):
-    """('target' | 'draft', the ModelConfig of the model being built).
-
-    A separate draft model is built with its own model_config; EAGLE and MTP drafters are
-    built under the target's model_config, inside a drafter model tag."""
-    spec = vllm_config.speculative_config
-    draft_config = getattr(spec, "draft_model_config", None) if spec is not None else None
-    if draft_config is not None:
-        from vllm.compilation import backends
-
-        if vllm_config.model_config is draft_config or backends.model_tag in DRAFT_MODEL_TAGS:
-            return "draft", draft_config
-    return "target", vllm_config.model_config
+def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) -> None:
+    """vLLM reuses a compiled forward from its cache when `VllmConfig.compute_hash()` matches,
+    and that hash does not see this plugin: a graph compiled for BF16 (or another format)
+    would be served for this one. `additional_config` is hashed, and read by nobody else under
+    this key, so the plugin's decisions go there, before the forward is first compiled."""
+    decision = {"format": method.fmt_key, "on_host": method.on_host}
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra.setdefault("vllm_embed_plugin", {})[label] = decision
+        return
+    # A platform put its own hashable object there: no room for ours, so no cache at all.
+    vllm_config.compilation_config.inductor_compile_config["force_disable_caches"] = True
+    log_once("vLLM's additional_config is not a dict, so the plugin cannot key vLLM's compile "
+             "cache on its format: the compile cache is switched off for this model")

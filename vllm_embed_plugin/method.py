@@ -33,6 +33,8 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False,
                  importance: ColumnImportance | None = None):
         self.fmt = fmt
+        #: How the compiled forward names the format to the kernels' custom ops.
+        self.fmt_key = kernels.register_format(fmt)
         #: What an error in each column costs (`importance.py`); dropped after conversion.
         self.importance = importance
         self.label = label
@@ -56,6 +58,7 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weight = layer.weight
         started = time.perf_counter()
+        kernels.prepare(weight.device)  # resolve kernels now, never inside a traced forward
         try:
             # Builds the new tensors only; the layer is not touched until `_install`.
             packed, host_tensors = self._quantize(weight.data)
@@ -133,11 +136,12 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         )
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return kernels.lookup(self.fmt, self.packed(layer), input_, layer.embedding_cols, layer.embedding_dtype)
+        return kernels.lookup(self.fmt_key, self.packed(layer), input_, layer.embedding_cols,
+                              layer.embedding_dtype)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
-        logits = kernels.linear(self.fmt, self.packed(layer), x, layer.embedding_cols)
+        logits = kernels.linear(self.fmt_key, self.packed(layer), x, layer.embedding_cols)
         return logits if bias is None else logits + bias
 
 
@@ -147,14 +151,16 @@ class TiedHeadMethod(QuantizeMethodBase):
 
     def __init__(self, embedding: torch.nn.Module):
         # Not a submodule: the embedding is processed and counted once, as itself.
-        self._embedding = [embedding]
+        self._table_owner = [embedding]
 
     @property
-    def embedding(self) -> torch.nn.Module:
-        return self._embedding[0]
+    def table_owner(self) -> torch.nn.Module:
+        """The converted embedding whose packed table this head reads."""
+        return self._table_owner[0]
 
     def create_weights(self, layer, *args, **kwargs):
         raise RuntimeError("a tied head has no weights of its own")
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.embedding.quant_method.apply(self.embedding, x, bias)
+        owner = self.table_owner
+        return owner.quant_method.apply(owner, x, bias)

@@ -1,25 +1,41 @@
 """Lookup and tied-head matmul over packed tables: fused GPU kernels where they exist,
 torch reference paths everywhere else. Imports neither vLLM nor the settings.
 
-Triton is imported lazily, on the first CUDA call: the package (and the CPU paths) work
-without it. `VLLM_EMBED_NO_TRITON=1` forces the torch paths everywhere (for comparisons).
+`lookup` and `linear` are what a model's forward calls: each is one torch custom op
+(`ops.py`), so `torch.compile(fullgraph=True)` traces them as single calls and CUDA graphs
+capture them. Inside the op, `lookup_eager` / `linear_eager` pick the kernel on real tensors.
+
+Triton modules are resolved by `prepare(device)` when a layer is converted, never inside a
+traced forward. `VLLM_EMBED_NO_TRITON=1` forces the torch paths everywhere (for comparisons).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 import torch.nn.functional as F
 
 from ..formats import IdentityFormat, IntFormat, PackedRows, TableFormat
+from .ops import format_of, register_format
 
 #: Bound on the dense float chunk the torch `linear` path materialises at a time.
 LINEAR_CHUNK_BYTES = 64 << 20
 #: Rows at or below which the CPU uses torch's int8 weight-only GEMV (ANCHORS 2b).
 INT8PACK_MAX_ROWS = 8
+#: The Triton modules, imported together by `prepare` on the first CUDA device.
+TRITON_MODULES = ("triton_lookup", "triton_linear", "triton_quantize", "triton_joint")
 
 _triton: dict[str, object] = {}
+
+
+def prepare(device: torch.device | str) -> None:
+    """Resolve the kernels for `device` now (load time): importing Triton modules inside a
+    forward that torch.compile traces would break the graph."""
+    if torch.device(device).type == "cuda":
+        for name in TRITON_MODULES:
+            _triton_module(name)
 
 
 def _triton_module(name: str):
@@ -28,8 +44,6 @@ def _triton_module(name: str):
         module = None
         if os.environ.get("VLLM_EMBED_NO_TRITON", "") not in ("1", "true", "yes"):
             try:
-                import importlib
-
                 module = importlib.import_module(f"{__name__}.{name}")
             except ImportError:
                 module = None
@@ -37,10 +51,27 @@ def _triton_module(name: str):
     return _triton[name]
 
 
-def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of the table, dequantized to `dtype`: shape ids.shape + (cols,).
+def _key(fmt: TableFormat | str) -> str:
+    return fmt if isinstance(fmt, str) else register_format(fmt)
 
-    No host synchronisation, so CUDA graphs can capture it."""
+
+def lookup(fmt: TableFormat | str, table: PackedRows, ids: torch.Tensor, cols: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the table, dequantized to `dtype`: shape ids.shape + (cols,). `fmt` is a
+    format or its key from `register_format` (a layer passes the key: no Python on the format
+    object in a traced forward). One custom op; no host synchronisation."""
+    return torch.ops.vllm_embed.lookup(ids, table.codes, table.scales, table.mins, _key(fmt), cols, dtype)
+
+
+def linear(fmt: TableFormat | str, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
+    """Tied LM head: x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype, without ever
+    densifying the whole table. One custom op."""
+    return torch.ops.vllm_embed.linear(x, table.codes, table.scales, table.mins, _key(fmt), cols)
+
+
+def lookup_eager(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The op's body: the fused kernel on CUDA, else the torch reference path."""
     if isinstance(fmt, IdentityFormat):  # a plain table (e.g. in host memory): one gather
         return F.embedding(ids, table.codes).to(dtype)
     if ids.is_cuda and table.codes.is_cuda:
@@ -61,9 +92,8 @@ def lookup_torch(
     return out.view(*ids.shape, cols)
 
 
-def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
-    """Tied LM head: x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype, without ever
-    densifying the whole table."""
+def linear_eager(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
+    """The op's body: the Triton weight-only GEMM on CUDA, else the torch path."""
     if isinstance(fmt, IdentityFormat) and x.dtype == table.codes.dtype:
         return F.linear(x, table.codes)
     if x.is_cuda and table.codes.is_cuda:
@@ -133,5 +163,6 @@ def round_group_jointly_fast(values: torch.Tensor, step: torch.Tensor, low: torc
     return kernels.round_group_jointly(values, step, low, factor, bits, symmetric)
 
 
-__all__ = ["lookup", "lookup_torch", "linear", "linear_torch", "quantize_rows_fast",
+__all__ = ["format_of", "linear", "linear_eager", "linear_torch", "lookup", "lookup_eager",
+           "lookup_torch", "prepare", "quantize_rows_fast", "register_format",
            "round_group_jointly_fast"]

@@ -161,12 +161,12 @@ def spec_of(fmt: TableFormat, cols: int) -> Spec | None:
 
 def units_of(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int, int]:
     """`codes` reinterpreted as unsigned units of gcd(bits, 8) bytes (bytes if that view is
-    not possible): (units, units per chunk, unit bits). No copy, no device work."""
+    not possible): (units, units per chunk, unit bits). No copy, no device work. `view`
+    checks the offset and strides itself; allocators align every storage to far more."""
     width = math.gcd(bits, 8)
     if width > 1:
         try:
-            if codes.data_ptr() % width == 0 and codes.stride(-1) == 1:
-                return codes.view(_UNIT_DTYPES[width]), bits // width, 8 * width
+            return codes.view(_UNIT_DTYPES[width]), bits // width, 8 * width
         except RuntimeError:
             pass
     return codes, bits, 8
