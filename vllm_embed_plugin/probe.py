@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--compile", action="store_true",
+                        help="vLLM's torch.compile (and its compile cache) instead of eager mode")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -46,7 +48,7 @@ def main() -> None:
         dtype="bfloat16",
         gpu_memory_utilization=0.25,
         max_model_len=args.max_model_len,
-        enforce_eager=True,
+        enforce_eager=not args.compile,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         seed=0,
