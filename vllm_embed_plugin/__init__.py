@@ -13,7 +13,7 @@ from .log import logger
 __version__ = "0.1.0"
 
 #: vLLM releases whose layer and quantization APIs this plugin was written against.
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 26), (0, 32), (0, 33))
 
 
 _state = {"logged": False}

@@ -39,6 +39,8 @@ def embedding_report(model: torch.nn.Module) -> dict:
                 "rows": module.num_embeddings_per_partition,
                 "cols": module.embedding_dim,
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                # A host-format table is a device view of pinned host memory: no GPU bytes.
+                "on_host": hasattr(module, "host_tensors"),
                 "tensors": {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
                 "digests": {n: digest(t) for n, t in tensors.items()},
             }

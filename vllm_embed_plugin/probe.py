@@ -91,6 +91,18 @@ class ProbeRun:
         return next(t for t in self.tables(model, rank).values() if t["kind"] == "embedding")
 
 
+def greedy_close(reference: dict, candidate: dict) -> list[str]:
+    """Problems found comparing two greedy runs: where the sequences part, the candidate's
+    token must be among the reference's top 5 at that step (a near tie of the reference, not
+    a different model)."""
+    problems = []
+    for i, (ref, got) in enumerate(zip(reference["tokens"], candidate["tokens"])):
+        split = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if split is not None and got[split] not in reference["top5"][i][split]:
+            problems.append(f"prompt {i}: step {split} token {got[split]} not in reference top 5")
+    return problems
+
+
 def run_probe(out_dir: Path, name: str, env: dict[str, str], *args: str, timeout: int = 900) -> ProbeRun:
     """Run `main` in a fresh process with `env` on top of a VLLM_EMBED_*-free environment."""
     out = Path(out_dir) / f"{name}.json"

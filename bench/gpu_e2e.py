@@ -1,0 +1,550 @@
+#!/usr/bin/env python3
+"""End to end on a GPU: real vLLM (CUDA build) with its defaults -- torch.compile and CUDA
+graphs on, no enforce_eager -- plugin off and on, in the same run.
+
+    python bench/gpu_e2e.py --suite main --out OUT          # untied + tied models, throughput
+    python bench/gpu_e2e.py --suite spec --out OUT          # draft model and MTP drafter
+    python bench/gpu_e2e.py --suite main --quick            # tiny shapes, a few minutes
+    python bench/gpu_e2e.py ... --tensor-parallel-size 2    # every engine on 2 GPUs
+
+Random-weight checkpoints are written with transformers (initializer range 0.02, so logits
+have structure and greedy agreement means something). Each configuration is one engine in a
+child process of its own; the children of a model stay up together, so the timed runs of
+plugin off and on are interleaved and repeated (median and spread reported), each after a
+warm-up at the same batch. Engines start one after the other, so vLLM's memory profiling of
+one never sees another's start.
+
+What is measured per engine: vocabulary-table bytes in GPU memory (inside the worker),
+vLLM's KV-cache size in tokens, start-up time, greedy agreement with BF16 (8 prompts x 16
+tokens, the top-5 criterion of the CPU tests), decode tokens/s at batch 1 and 64, prefill
+tokens/s for an 8k-token prompt. Results go to OUT/gpu_e2e.json and a Markdown summary to
+OUT/gpu_e2e.md. Needs vLLM's CUDA build (and this package installed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+# Offline and quiet; NVLink multicast off as the device's notes ask.
+BASE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "NCCL_NVLS_ENABLE": "0",
+    "PYTHONUNBUFFERED": "1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+
+GREEDY_PROMPTS = 8
+GREEDY_TOKENS = 16
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+def model_specs(quick: bool) -> dict[str, dict]:
+    """name -> transformers config arguments (Qwen3 architecture)."""
+    if quick:
+        return {
+            "untied": dict(vocab=32768, hidden=512, layers=2, tied=False, heads=8, kv_heads=4),
+            "tied": dict(vocab=65536, hidden=256, layers=2, tied=True, heads=4, kv_heads=2),
+            "spec-target": dict(vocab=32768, hidden=512, layers=2, tied=False, heads=8, kv_heads=4),
+            "spec-draft": dict(vocab=32768, hidden=256, layers=1, tied=False, heads=4, kv_heads=2),
+        }
+    return {
+        # Qwen3-8B's shape (151,936 x 4,096 table, 36 layers): a decode step takes milliseconds.
+        "untied": dict(vocab=151936, hidden=4096, layers=36, tied=False, intermediate=12288,
+                       heads=32, kv_heads=8),
+        # Gemma 3's table shape (262,144 x 2,560), tied, on Qwen3 layers.
+        "tied": dict(vocab=262144, hidden=2560, layers=12, tied=True, intermediate=9728,
+                     heads=20, kv_heads=4),
+        "spec-target": dict(vocab=151936, hidden=2048, layers=8, tied=False),
+        "spec-draft": dict(vocab=151936, hidden=1024, layers=1, tied=False),
+    }
+
+
+def build_model(root: Path, name: str, spec: dict) -> Path:
+    """A random Qwen3 checkpoint plus a word-level tokenizer (written once)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+    path = root / name
+    if (path / "config.json").exists():
+        return path
+    vocab = spec["vocab"]
+    hidden = spec["hidden"]
+    heads = spec.get("heads", 16)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=spec.get("intermediate", 3 * hidden),
+        num_hidden_layers=spec["layers"], num_attention_heads=heads,
+        num_key_value_heads=spec.get("kv_heads", 8), head_dim=128 if hidden >= 2048 else hidden // heads,
+        max_position_embeddings=16384, tie_word_embeddings=spec["tied"], initializer_range=0.02,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(1234)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>").save_pretrained(path)
+    return path
+
+
+def kv_bytes_per_token(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
+# -- one engine, in its own process ------------------------------------------------------------
+
+
+def child(cfg: dict) -> None:
+    """Start one engine, report it, then serve timing requests from stdin (JSON lines)."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_embed_plugin.introspect import worker_report
+
+    started = time.perf_counter()
+    kwargs = dict(
+        model=cfg["model"], dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+        gpu_memory_utilization=cfg["gpu_util"], max_model_len=cfg["max_model_len"],
+        max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=False,
+        tensor_parallel_size=cfg["tp"], disable_log_stats=False,
+    )
+    if cfg.get("attention"):
+        kwargs["attention_config"] = {"backend": cfg["attention"]}
+    if cfg.get("speculative"):
+        kwargs["speculative_config"] = cfg["speculative"]
+    if cfg.get("hf_overrides"):
+        kwargs["hf_overrides"] = cfg["hf_overrides"]
+    if cfg.get("load_format"):
+        kwargs["load_format"] = cfg["load_format"]
+    llm = LLM(**kwargs)
+    cache = llm.llm_engine.vllm_config.cache_config
+    report = llm.collective_rpc(worker_report)
+    emit({
+        "event": "ready",
+        "init_s": time.perf_counter() - started,
+        "kv_tokens": cache.num_gpu_blocks * cache.block_size,
+        "workers": report,
+        "gpu_bytes_allocated": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
+    })
+    rng = random.Random(0)
+    vocab = cfg["vocab"]
+
+    def prompts(n: int, length: int) -> list:
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(length)])
+                for _ in range(n)]
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        if op == "quit":
+            break
+        if op == "greedy":
+            fixed = random.Random(1)
+            batch = [TokensPrompt(prompt_token_ids=[fixed.randrange(3, vocab) for _ in range(24 + 8 * i)])
+                     for i in range(GREEDY_PROMPTS)]
+            params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, logprobs=5,
+                                    ignore_eos=True, detokenize=False)
+            outs = llm.generate(batch, params, use_tqdm=False)
+            emit({"event": "greedy",
+                  "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                  "top5": [[sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs]
+                           for o in outs],
+                  "spec": spec_counters(llm)})
+            continue
+        # Timed: decode (batch prompts of 32 tokens, `tokens` new tokens each) or prefill
+        # (one prompt of `length` tokens, one new token). A warm-up at the same shape first.
+        if op == "decode":
+            shape = (request["batch"], 32, request["tokens"])
+        else:
+            shape = (1, request["length"], 1)
+        batch, length, new = shape
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, detokenize=False)
+        if request.get("warmup"):
+            llm.generate(prompts(batch, length), params, use_tqdm=False)
+        work = prompts(batch, length)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t0 = time.perf_counter()
+        llm.generate(work, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        processed = batch * new if op == "decode" else batch * length
+        emit({"event": "timed", "op": op, "seconds": elapsed, "tokens_per_s": processed / elapsed})
+
+
+def spec_counters(llm) -> dict:
+    """Speculative-decoding counters from vLLM's metrics (empty without a drafter)."""
+    wanted = {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens"}
+    out = {}
+    try:
+        for metric in llm.get_metrics():
+            if metric.name in wanted:
+                out[metric.name.split(":")[1]] = getattr(metric, "value", None)
+    except Exception as exc:  # noqa: BLE001 - metrics are a report, never a failure
+        out["error"] = repr(exc)
+    return out
+
+
+def emit(message: dict) -> None:
+    print("E2E_JSON " + json.dumps(message), flush=True)
+
+
+class Engine:
+    """The driver's handle on one child engine."""
+
+    def __init__(self, name: str, cfg: dict, env: dict, log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EMBED_")}
+        full_env.update(BASE_ENV)
+        full_env.update(env)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(cfg)], env=full_env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )
+        self.ready = self._wait("ready")
+
+    def _wait(self, event: str) -> dict:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if line.startswith("E2E_JSON "):
+                message = json.loads(line[len("E2E_JSON "):])
+                if message["event"] == event:
+                    self.log.flush()
+                    return message
+        self.log.flush()
+        raise RuntimeError(f"{self.name}: engine exited (rc={self.proc.wait()}); see {self.log_path}")
+
+    def ask(self, request: dict, event: str) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._wait(event)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+        self.log.close()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def compile_cache_use(log: str) -> dict:
+    """Which vLLM compile-cache entries (hash directories) a start wrote or read: a start
+    must never read an entry written for other plugin settings."""
+    import re
+
+    dirs = sorted(set(re.findall(r"torch_compile_cache/(?:torch_aot_compile/)?([0-9a-f]{10,})", log)))
+    loaded = bool(re.search(r"Directly load", log))
+    return {"compile_cache_dirs": dirs, "compile_cache_loaded": loaded}
+
+
+def table_gpu_bytes(ready: dict, model: str = "target") -> int:
+    """Bytes of vocabulary tables in GPU memory on rank 0: a table shared by a tied head
+    counted once, a host-format table (a view of pinned host memory) not at all."""
+    report = ready["workers"][0][model]
+    if report is None:
+        return 0
+    return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
+
+
+def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path) -> None:
+    from vllm_embed_plugin.probe import greedy_close
+
+    base = dict(model=str(path), vocab=spec["vocab"], gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
+                max_model_len=args.prefill + 512, max_num_seqs=64, attention=args.attention)
+    engines: dict[str, Engine] = {}
+    results = out.setdefault(name, {"shape": [spec["vocab"], spec["hidden"]], "tied": spec["tied"],
+                                    "kv_bytes_per_token": kv_bytes_per_token(path), "formats": {}})
+    try:
+        for fmt in formats:
+            env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
+            print(f"[{name}] starting {fmt}", flush=True)
+            engine = Engine(f"{name}-{fmt}", base, env, log_dir)
+            engines[fmt] = engine
+            log = engine.log_text()
+            results["formats"][fmt] = {
+                "init_s": engine.ready["init_s"],
+                "kv_tokens": engine.ready["kv_tokens"],
+                "table_gpu_bytes": table_gpu_bytes(engine.ready),
+                "tables": engine.ready["workers"][0]["target"]["tables"],
+                "conversion_log": [l.split("vllm-embed-plugin: ", 1)[1] for l in log.splitlines()
+                                   if "table ->" in l and "vllm-embed-plugin: " in l],
+                "graph_breaks": log.count("Graph break"),
+                **compile_cache_use(log),
+            }
+            print(f"[{name}] {fmt}: init {engine.ready['init_s']:.1f} s, KV {engine.ready['kv_tokens']:,} tokens", flush=True)
+        for fmt, engine in engines.items():
+            greedy = engine.ask({"op": "greedy"}, "greedy")
+            results["formats"][fmt]["greedy"] = greedy
+        reference = results["formats"]["off"]["greedy"]
+        for fmt in formats:
+            greedy = results["formats"][fmt]["greedy"]
+            same = sum(a == b for r, g in zip(reference["tokens"], greedy["tokens"]) for a, b in zip(r, g))
+            results["formats"][fmt]["agreement"] = {
+                "equal_tokens": same, "total": GREEDY_PROMPTS * GREEDY_TOKENS,
+                "top5_problems": greedy_close(reference, greedy),
+            }
+        # Timings: every request shape, plugin off and on interleaved, repeated.
+        requests = [("decode_b1", {"op": "decode", "batch": 1, "tokens": args.decode_tokens}),
+                    ("decode_b64", {"op": "decode", "batch": 64, "tokens": args.decode_tokens}),
+                    ("prefill", {"op": "prefill", "length": args.prefill})]
+        for label, request in requests:
+            for fmt, engine in engines.items():
+                engine.ask({**request, "warmup": True}, "timed")
+            for rep in range(args.reps):
+                order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+                for fmt, engine in order:
+                    timed = engine.ask(request, "timed")
+                    results["formats"][fmt].setdefault(label, []).append(timed["tokens_per_s"])
+            print(f"[{name}] {label}: " + ", ".join(
+                f"{fmt} {statistics.median(results['formats'][fmt][label]):,.0f} tok/s" for fmt in engines), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
+    """A separate draft model, both models converted; then an MTP drafter sharing the table."""
+    from vllm_embed_plugin.probe import greedy_close
+
+    target = build_model(root, "spec-target", specs["spec-target"])
+    draft = build_model(root, "spec-draft", specs["spec-draft"])
+    base = dict(model=str(target), vocab=specs["spec-target"]["vocab"], gpu_util=args.gpu_util,
+                tp=args.tensor_parallel_size, max_model_len=2048, max_num_seqs=16, attention=args.attention,
+                speculative={"model": str(draft), "method": "draft_model", "num_speculative_tokens": 3})
+    results = out.setdefault("draft_model", {"formats": {}})
+    for fmt in ("off", "int8"):
+        env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
+        engine = Engine(f"draft-{fmt}", base, env, log_dir)
+        try:
+            greedy = engine.ask({"op": "greedy"}, "greedy")
+            results["formats"][fmt] = {
+                "init_s": engine.ready["init_s"], "kv_tokens": engine.ready["kv_tokens"],
+                "target_bytes": table_gpu_bytes(engine.ready, "target"),
+                "draft_bytes": table_gpu_bytes(engine.ready, "draft"),
+                "draft_tables": (engine.ready["workers"][0]["draft"] or {}).get("tables"),
+                "greedy": greedy, "spec": greedy["spec"],
+            }
+        finally:
+            engine.close()
+    if "off" in results["formats"] and "int8" in results["formats"]:
+        results["top5_problems"] = greedy_close(results["formats"]["off"]["greedy"], results["formats"]["int8"]["greedy"])
+    if not args.quick:
+        measure_mtp(args, root, out, log_dir)
+
+
+def build_mtp_model(root: Path) -> Path:
+    """A Qwen3.5-style (hybrid linear/full attention) text config with one MTP layer; the
+    weights are vLLM's dummy ones (load_format='dummy'), so no checkpoint is written."""
+    path = root / "qwen35-mtp"
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = 248320
+    text = dict(
+        model_type="qwen3_5_text", vocab_size=vocab, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        mtp_num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                  "partial_rotary_factor": 0.25,
+                                                  "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        bos_token_id=1, eos_token_id=2,
+    )
+    vision = dict(model_type="qwen3_5", depth=1, hidden_size=256, intermediate_size=512, num_heads=4,
+                  out_hidden_size=2048, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  in_channels=3, num_position_embeddings=2304, deepstack_visual_indexes=[])
+    config = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+                  text_config=text, vision_config=vision, tie_word_embeddings=False,
+                  image_token_id=vocab - 3, video_token_id=vocab - 2, vision_start_token_id=vocab - 4,
+                  vision_end_token_id=vocab - 5)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
+    path = build_mtp_model(root)
+    base = dict(model=str(path), vocab=248320 - 8, gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
+                max_model_len=2048, max_num_seqs=16, attention=args.attention, load_format="dummy",
+                speculative={"method": "mtp", "num_speculative_tokens": 1})
+    results = out.setdefault("mtp", {"formats": {}})
+    for fmt in ("off", "int8"):
+        env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
+        try:
+            engine = Engine(f"mtp-{fmt}", base, env, log_dir)
+        except RuntimeError as exc:
+            results["formats"][fmt] = {"error": str(exc), "log_tail": (log_dir / f"mtp-{fmt}.log").read_text()[-4000:]}
+            continue
+        try:
+            greedy = engine.ask({"op": "greedy"}, "greedy")
+            draft = engine.ready["workers"][0]["draft"] or {}
+            target = engine.ready["workers"][0]["target"]
+            results["formats"][fmt] = {
+                "init_s": engine.ready["init_s"], "kv_tokens": engine.ready["kv_tokens"],
+                "target_tables": target["tables"], "draft_tables": draft.get("tables"),
+                "draft_float_vocab_tables": draft.get("float_vocab_tables"),
+                "shared_table": _shares_table(target, draft),
+                "greedy": greedy, "spec": greedy["spec"],
+                "log_share_lines": [l for l in engine.log_text().splitlines() if "MTP" in l and "Sharing" in l],
+            }
+        finally:
+            engine.close()
+
+
+def _shares_table(target: dict, draft: dict) -> bool | None:
+    """True when the drafter's embedding is the target's very tensor (same digest and name)."""
+    drafts = [t for t in (draft.get("tables") or []) if t["kind"] == "embedding"]
+    targets = [t for t in target["tables"] if t["kind"] == "embedding"]
+    if not drafts or not targets:
+        return None
+    return drafts[0]["digests"] == targets[0]["digests"]
+
+
+def summarize(out: dict) -> str:
+    lines = ["# GPU end-to-end run", "", f"```\n{json.dumps(out.get('env', {}), indent=1)}\n```", ""]
+    for name in ("untied", "tied"):
+        model = out.get(name)
+        if not model:
+            continue
+        off = model["formats"]["off"]
+        lines += [f"## {name} {model['shape'][0]:,} x {model['shape'][1]:,}", "",
+                  "| format | table GPU bytes | KV tokens | KV gain / bytes freed | start-up s | greedy equal | top-5 problems "
+                  "| decode b1 tok/s (vs off) | decode b64 (vs off) | prefill (vs off) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for fmt, r in model["formats"].items():
+            if "agreement" not in r:
+                lines.append(f"| {fmt} | (incomplete: {json.dumps(_strip(r))[:200]}) |")
+                continue
+            freed = off["table_gpu_bytes"] - r["table_gpu_bytes"]
+            gained = (r["kv_tokens"] - off["kv_tokens"]) * model["kv_bytes_per_token"]
+            cells = [fmt, f"{r['table_gpu_bytes']:,}", f"{r['kv_tokens']:,}",
+                     f"{gained / freed:.1%}" if freed else "-", f"{r['init_s']:.1f}",
+                     f"{r['agreement']['equal_tokens']}/{r['agreement']['total']}",
+                     str(len(r["agreement"]["top5_problems"]))]
+            for label in ("decode_b1", "decode_b64", "prefill"):
+                values = r.get(label) or []
+                if not values:
+                    cells.append("-")
+                    continue
+                med = statistics.median(values)
+                ratio = med / statistics.median(off[label])
+                cells.append(f"{med:,.0f} ({ratio:.3f}; {min(values):,.0f}-{max(values):,.0f})")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    for name in ("draft_model", "mtp"):
+        if name in out:
+            lines += [f"## {name}", "", "```", json.dumps(_strip(out[name]), indent=1)[:6000], "```", ""]
+    return "\n".join(lines)
+
+
+def _strip(value):
+    """The summary without the bulky per-token lists."""
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in ("tokens", "top5", "greedy", "digests")}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--suite", choices=["main", "spec", "all"], default="main")
+    parser.add_argument("--only", default="", help="comma-separated models of the main suite (untied, tied)")
+    parser.add_argument("--formats", default="off,int8,int4,host", help="formats for the untied model")
+    parser.add_argument("--tied-formats", default="off,int8,int4")
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
+    parser.add_argument("--models", default="/tmp/gpu_e2e_models")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the script, measures nothing")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-util", type=float, default=0.2, help="per engine; several engines share the GPU")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--attention", default="TRITON_ATTN", help="vLLM attention backend ('' = vLLM's choice)")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+
+    out_dir = Path(args.out)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(args.models)
+    specs = model_specs(args.quick)
+    if args.quick:
+        args.prefill = min(args.prefill, 1024)
+        args.reps = min(args.reps, 2)
+        args.decode_tokens = min(args.decode_tokens, 16)
+    import torch
+    import vllm
+
+    out = {"env": {"vllm": vllm.__version__, "torch": torch.__version__,
+                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                   "tensor_parallel_size": args.tensor_parallel_size, "reps": args.reps,
+                   "decode_tokens": args.decode_tokens, "prefill": args.prefill, "argv": sys.argv[1:]}}
+    result_path = out_dir / f"gpu_e2e_{args.suite}.json"
+    failures = []
+    only = [m for m in args.only.split(",") if m]
+    if args.suite in ("main", "all"):
+        for name, formats in (("untied", args.formats), ("tied", args.tied_formats)):
+            if only and name not in only:
+                continue
+            started = time.perf_counter()
+            path = build_model(root, name, specs[name])
+            print(f"[{name}] checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
+            try:
+                measure_model(args, name, path, formats.split(","), specs[name], out, log_dir)
+            except Exception as exc:  # noqa: BLE001 - report, and go on to the next model
+                failures.append(f"{name}: {exc}")
+            result_path.write_text(json.dumps(out))
+    if args.suite in ("spec", "all"):
+        try:
+            measure_spec(args, specs, root, out, log_dir)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"spec: {exc}")
+    out["failures"] = failures
+    result_path.write_text(json.dumps(out))
+    summary = summarize(out)
+    (out_dir / f"gpu_e2e_{args.suite}.md").write_text(summary)
+    print(summary)
+    for failure in failures:
+        print("FAILED:", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
