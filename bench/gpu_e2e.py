@@ -281,7 +281,8 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
     return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
 
 
-def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path) -> None:
+def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path,
+                  save) -> None:
     from vllm_embed_plugin.probe import greedy_close
 
     base = dict(model=str(path), vocab=spec["vocab"], gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
@@ -307,6 +308,7 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
                 **compile_cache_use(log),
             }
             print(f"[{name}] {fmt}: init {engine.ready['init_s']:.1f} s, KV {engine.ready['kv_tokens']:,} tokens", flush=True)
+            save()
         for fmt, engine in engines.items():
             greedy = engine.ask({"op": "greedy"}, "greedy")
             results["formats"][fmt]["greedy"] = greedy
@@ -332,6 +334,7 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
                     results["formats"][fmt].setdefault(label, []).append(timed["tokens_per_s"])
             print(f"[{name}] {label}: " + ", ".join(
                 f"{fmt} {statistics.median(results['formats'][fmt][label]):,.0f} tok/s" for fmt in engines), flush=True)
+            save()
     finally:
         for engine in engines.values():
             engine.close()
@@ -527,7 +530,8 @@ def main() -> int:
             path = build_model(root, name, specs[name])
             print(f"[{name}] checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
             try:
-                measure_model(args, name, path, formats.split(","), specs[name], out, log_dir)
+                measure_model(args, name, path, formats.split(","), specs[name], out, log_dir,
+                              save=lambda: result_path.write_text(json.dumps(out)))
             except Exception as exc:  # noqa: BLE001 - report, and go on to the next model
                 failures.append(f"{name}: {exc}")
             result_path.write_text(json.dumps(out))
