@@ -49,20 +49,28 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     """None = the shipped heuristic; the rest are what --sweep also times."""
     p = 32 * (bits // __import__("math").gcd(bits, 32)) // bits
     out: list[dict | None] = [None]
-    if m <= 4:
-        for bn in (16, 32):
-            for cols_per_iter in (256, 512):
-                out.append(dict(KIND="gemv", BM=1, BN=bn, T=max(1, cols_per_iter // p), num_warps=4, num_stages=1))
-    if 2 <= m <= 16:
-        for bn, cpi, w in ((64, 128, 4), (128, 128, 4), (128, 256, 8), (64, 256, 4)):
-            out.append(dict(KIND="mma", BM=16, BN=bn, T=max(16, cpi // p), num_warps=w, num_stages=1))
-    if m == 64:
-        for bn, w in ((64, 4), (128, 4), (128, 8)):
-            out.append(dict(KIND="mma", BM=64, BN=bn, T=max(16, 128 // p), num_warps=w, num_stages=1))
+    gemv = lambda bn, cpi: dict(KIND="gemv", BM=1, BN=bn, T=max(1, cpi // p), num_warps=4, num_stages=1)  # noqa: E731
+    mma = lambda bm, bn, cpi, w: dict(KIND="mma", BM=bm, BN=bn, T=max(16, cpi // p), num_warps=w, num_stages=1)  # noqa: E731
+    if m == 1:
+        out += [gemv(16, 256), gemv(16, 512), gemv(32, 256), gemv(32, 512)]
+    elif m <= 4:
+        out += [gemv(16, 256), gemv(32, 512), mma(16, 64, 128, 4), mma(16, 128, 256, 8)]
+    elif m <= 16:
+        out += [mma(16, 64, 128, 4), mma(16, 128, 128, 4), mma(16, 128, 256, 8), mma(16, 64, 256, 4)]
+    elif m <= 64:
+        out += [mma(64, 64, 128, 4), mma(64, 128, 128, 8)]
     if m >= 64:
-        for mb in (24, 48, 96):
+        for mb in (24, 48, 96) if m == 256 else (48, 96):
             for ov in (False, True):
+                if m == 64 and mb == 96:
+                    continue
                 out.append(dict(KIND="cublas", CHUNK_BYTES=mb << 20, OVERLAP=ov))
+    uniq, seen = [], set()
+    for c in out:
+        if cfg_str(c) not in seen:
+            seen.add(cfg_str(c))
+            uniq.append(c)
+    out = uniq
     return out
 
 
