@@ -48,23 +48,24 @@ def label(name: str) -> str:
 def candidates(m: int, bits: int) -> list[dict | None]:
     """None = the shipped heuristic; the rest are what --sweep also times."""
     p = 32 * (bits // __import__("math").gcd(bits, 32)) // bits
-    out: list[dict | None] = [None]
-    gemv = lambda bn, cpi: dict(KIND="gemv", BM=1, BN=bn, T=max(1, cpi // p), num_warps=4, num_stages=1)  # noqa: E731
-    mma = lambda bm, bn, cpi, w: dict(KIND="mma", BM=bm, BN=bn, T=max(16, cpi // p), num_warps=w, num_stages=1)  # noqa: E731
+    out: list[dict | None] = []
+    gemv = lambda bn, cpi, xp=True: dict(KIND="gemv", BM=1, BN=bn, T=max(1, cpi // p), num_warps=4,  # noqa: E731
+                                         num_stages=1, XPERM=xp)
+    mma = lambda bm, bn, cpi, w: dict(KIND="mma", BM=bm, BN=bn, T=max(16, cpi // p), num_warps=w,  # noqa: E731
+                                      num_stages=1, XPERM=True)
+    tiles = dict(KIND="tiles")  # the previous kernels (generic unpack, tensor-core tiles)
     if m == 1:
-        out += [gemv(16, 256), gemv(16, 512), gemv(32, 256), gemv(32, 512)]
+        out += [gemv(16, 256, False), gemv(16, 256), gemv(32, 512), tiles]
     elif m <= 4:
-        out += [gemv(16, 256), gemv(32, 512), mma(16, 64, 128, 4), mma(16, 128, 256, 8)]
+        out += [tiles, gemv(32, 512), mma(16, 64, 128, 4)]
     elif m <= 16:
-        out += [mma(16, 64, 128, 4), mma(16, 128, 128, 4), mma(16, 128, 256, 8), mma(16, 64, 256, 4)]
+        out += [tiles, mma(16, 128, 128, 4), mma(16, 128, 256, 8)]
     elif m <= 64:
-        out += [mma(64, 64, 128, 4), mma(64, 128, 128, 8)]
-    if m >= 64:
-        for mb in (24, 48, 96) if m == 256 else (48, 96):
-            for ov in (False, True):
-                if m == 64 and mb == 96:
-                    continue
-                out.append(dict(KIND="cublas", CHUNK_BYTES=mb << 20, OVERLAP=ov))
+        out += [tiles, mma(64, 128, 128, 8), dict(KIND="cublas", CHUNK_BYTES=96 << 20)]
+    elif m <= 256:
+        out += [tiles, dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True)]
+    else:
+        out += [dict(KIND="cublas", CHUNK_BYTES=96 << 20), dict(KIND="cublas", CHUNK_BYTES=192 << 20)]
     uniq, seen = [], set()
     for c in out:
         if cfg_str(c) not in seen:
@@ -77,9 +78,11 @@ def candidates(m: int, bits: int) -> list[dict | None]:
 def cfg_str(cfg: dict | None) -> str:
     if cfg is None:
         return "shipped"
+    if cfg["KIND"] == "tiles":
+        return "tiles"
     if cfg["KIND"] == "cublas":
         return f"cublas {cfg['CHUNK_BYTES'] >> 20}MB{' overlap' if cfg.get('OVERLAP') else ''}"
-    return f"{cfg['KIND']} BN{cfg['BN']} T{cfg['T']} w{cfg['num_warps']}"
+    return f"{cfg['KIND']} BN{cfg['BN']} T{cfg['T']} w{cfg['num_warps']}{' xp' if cfg.get('XPERM') else ''}"
 
 
 def median_time(fn, m: int, runs: int = 3) -> float:
@@ -124,6 +127,7 @@ def bench_table(rows: int, cols: int, sweep: bool, log) -> tuple[str, dict]:
     log(f"[{rows}x{cols}] bf16: " + " ".join(f"M={m}:{bf[m]:.0f}" for m in MS))
     table_rows = [["BF16 cuBLAS"] + [f"{bf[m]:.0f} us" for m in MS] + ["-", "-"]]
     results: dict = {"bf16": bf}
+    cfg_rows: list = []
     for name in SHIPPED:
         fmt = FORMATS[name]
         spec = spec_of(fmt, cols)
@@ -131,7 +135,7 @@ def bench_table(rows: int, cols: int, sweep: bool, log) -> tuple[str, dict]:
         best: dict = {}
         same_all = True
         for m in MS:
-            cands = candidates(m, spec.bits) if sweep else [None]
+            cands = [c for c in candidates(m, spec.bits) if c is not None] if sweep else [None]
             times = {}
             for cfg in cands:
                 fn = lambda cfg=cfg, m=m: triton_linear.linear(fmt, packed, xs[m], cols, config=cfg)  # noqa: E731
@@ -156,6 +160,7 @@ def bench_table(rows: int, cols: int, sweep: bool, log) -> tuple[str, dict]:
         err = ((triton_linear.linear(fmt, part, xs[16], cols).float() - ref).norm() / ref.norm()).item()
         table_rows.append([label(name)] + [f"{best[m][0]:.0f} us ({best[m][0] / bf[m]:.2f}x)" for m in MS]
                           + [f"{err:.1e}", "yes" if same_all else "**no**"])
+        cfg_rows.append([label(name)] + [best[m][1] for m in MS])
         results[name] = best
         del packed, part
         torch.cuda.empty_cache()
@@ -175,6 +180,7 @@ def bench_table(rows: int, cols: int, sweep: bool, log) -> tuple[str, dict]:
             log(f"  {name} failed:\n{traceback.format_exc()[-800:]}")
             table_rows.append([name] + ["failed"] * len(MS) + ["-", "-"])
     md = md_table(["format"] + [f"M={m}" for m in MS] + ["rel. error", "same bits"], table_rows)
+    md += "\n\nKernel per cell:\n\n" + md_table(["format"] + [f"M={m}" for m in MS], cfg_rows)
     return md, results
 
 
@@ -199,8 +205,8 @@ def main():
                 for m in MS:
                     for cfg in candidates(m, bits) if args.sweep else [None]:
                         eff = cfg or triton_linear.linear_config(m, rows, cols, bits)
-                        if eff["KIND"] == "cublas":
-                            key = (name, cols, "cublas")
+                        if eff["KIND"] in ("cublas", "tiles"):
+                            key = (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
                         else:  # the compiled variant: M only matters through the gemv's rows
                             key = (name, cols, cfg_str(eff), min(m, 4) if eff["KIND"] == "gemv" else eff["BM"])
                         if key not in seen:

@@ -37,6 +37,9 @@ KINDS = [
     dict(KIND="mma", BM=16, BN=16, T=16, num_warps=1, num_stages=1),
     dict(KIND="mma", BM=16, BN=32, T=16, num_warps=1, num_stages=1, SPLIT_K=2),
     dict(KIND="cublas", CHUNK_BYTES=1 << 10),
+    dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=1, num_stages=1, XPERM=True),
+    dict(KIND="mma", BM=16, BN=32, T=16, num_warps=1, num_stages=1, XPERM=True),
+    dict(KIND="tiles"),
 ]
 
 
@@ -57,7 +60,7 @@ INTERPRETER_CHECK = textwrap.dedent(
         for fmt in VARIANTS:
             t = quantize_table(w, fmt)
             wd = fmt.dequantize(t, cols, torch.float16).float()
-            for m, cfg in zip((1, 3, 2, 5, 20, 7), KINDS):
+            for m, cfg in zip((1, 3, 2, 5, 20, 7, 4, 6, 9), KINDS):
                 x = torch.randn(m, cols).half()  # fp16: the interpreter's bf16 dot is not exact
                 ref = x.float() @ wd.T
                 out = triton_linear.linear(fmt, t, x, cols, config=cfg)

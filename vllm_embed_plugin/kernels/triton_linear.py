@@ -355,13 +355,17 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                   MMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
                   BITS: tl.constexpr, U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr,
                   SIGNED: tl.constexpr, FP8: tl.constexpr, HAS_MIN: tl.constexpr,
-                  MAGIC: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr):
+                  MAGIC: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                  SB: tl.constexpr, XPERM: tl.constexpr):
     """logits[rm, rn] for BN rows of W against BM rows of x (padded with zero rows).
 
     MMA: tensor cores on the transposed product (dequantized W piece [BN, T] @ x piece^T
     [T, BM]), the piece scaled to x's dtype first (as the reference rounds it). Otherwise
     CUDA cores (BM <= 4): float32 products of levels and x per block, the block's scale
-    (and minimum times the block's sum of x) applied once per block."""
+    (and minimum times the block's sum of x) applied once per block.
+    SB: the tile holds whole groups; their scales are loaded once per group and broadcast
+    over its blocks. XPERM: x comes permuted to [M, P, blocks], so piece J's columns of x
+    are contiguous."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -396,7 +400,17 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
         wp = words_ptr + rn_safe[:, None] * word_stride + (t * U)[None, :]
         w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask)
         if GROUP != 0:
-            if BLOCK_SCALE:
+            if SB:
+                NG: tl.constexpr = (T * P) // GROUP
+                gi = (kt * P) // GROUP + tl.arange(0, NG)
+                soff = rn_safe[:, None] * scale_stride + gi[None, :]
+                sg = tl.load(scales_ptr + soff).to(tl.float32)
+                sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+                mblk = sblk
+                if HAS_MIN:
+                    mg = tl.load(mins_ptr + soff).to(tl.float32)
+                    mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+            elif BLOCK_SCALE:
                 soff = rn_safe[:, None] * scale_stride + ((t * P) // GROUP)[None, :]
                 sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
                 mblk = sblk
@@ -417,6 +431,10 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
         for J in tl.static_range(P):
             lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, MAGIC)
             col = t * P + J
+            if XPERM:
+                xcol = J * nblk + t
+            else:
+                xcol = col
             if not BLOCK_SCALE:  # the block spans groups: scale each piece
                 soff = rn_safe[:, None] * scale_stride + (col // GROUP)[None, :]
                 sp = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
@@ -429,20 +447,20 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                         lev = lev * sblk
                         if HAS_MIN:
                             lev = lev + mblk
-                xt = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :],
+                xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :],
                              mask=mmask[:, None] & tmask[None, :], other=0)
                 acc = tl.dot(lev.to(xdt), tl.trans(xt), acc)
             else:
-                x0 = tl.load(x_ptr + col, mask=tmask, other=0).to(tl.float32)
+                x0 = tl.load(x_ptr + xcol, mask=tmask, other=0).to(tl.float32)
                 p0 += lev * x0[None, :]
                 xs0 += x0
                 if BM > 1:
-                    x1 = tl.load(x_ptr + stride_xm + col, mask=tmask & (t * 0 + M > 1), other=0).to(tl.float32)
+                    x1 = tl.load(x_ptr + stride_xm + xcol, mask=tmask & (t * 0 + M > 1), other=0).to(tl.float32)
                     p1 += lev * x1[None, :]
                     xs1 += x1
                 if BM > 2:
-                    x2 = tl.load(x_ptr + 2 * stride_xm + col, mask=tmask & (t * 0 + M > 2), other=0).to(tl.float32)
-                    x3 = tl.load(x_ptr + 3 * stride_xm + col, mask=tmask & (t * 0 + M > 3), other=0).to(tl.float32)
+                    x2 = tl.load(x_ptr + 2 * stride_xm + xcol, mask=tmask & (t * 0 + M > 2), other=0).to(tl.float32)
+                    x3 = tl.load(x_ptr + 3 * stride_xm + xcol, mask=tmask & (t * 0 + M > 3), other=0).to(tl.float32)
                     p2 += lev * x2[None, :]
                     p3 += lev * x3[None, :]
                     xs2 += x2
@@ -672,17 +690,15 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
 
 
 def linear_config(m: int, n: int, cols: int, bits: int) -> dict:
-    """The kernel and its shape for m rows of x (bench/bench_gemm.py sweeps these on an
-    H200). KIND: 'gemv' (CUDA cores, m <= 4), 'mma' (tensor cores, x padded to BM rows),
-    'cublas' (dequantize chunks of CHUNK_BYTES, multiply with cuBLAS)."""
+    """The kernel and its shape for m rows of x (bench/bench_gemm.py --sweep on an H200).
+    KIND: 'gemv' (CUDA cores, m <= 4), 'mma' (tensor cores, x padded to BM rows), 'tiles'
+    (the generic tile kernels), 'cublas' (dequantize chunks of CHUNK_BYTES, cuBLAS)."""
     u, p = _block_shape(bits)
     if m == 1:
-        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1)
-    if m <= 16:
-        return dict(KIND="mma", BM=16, BN=64, T=max(16, 128 // p), num_warps=4, num_stages=1)
-    if m <= 64:
-        return dict(KIND="mma", BM=64, BN=64, T=max(16, 128 // p), num_warps=4, num_stages=1)
-    return dict(KIND="cublas", CHUNK_BYTES=48 << 20)
+        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1, XPERM=True)
+    if m <= 256:
+        return dict(KIND="tiles")
+    return dict(KIND="cublas", CHUNK_BYTES=96 << 20)
 
 
 def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
@@ -702,6 +718,14 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
     split = triton.cdiv(nblk, per_split)
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
+    even = nblk % per_split == 0 and per_split % t == 0
+    g = spec.group
+    sb = (cfg.get("SB", True) and even and g != 0 and g % p == 0 and (t * p) % g == 0
+          and ((t * p) // g) & ((t * p) // g - 1) == 0)
+    xperm = cfg.get("XPERM", False)
+    if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
+        xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
+        x2 = xp if mma else xp.float()
     for start in range(0, m, bm):  # rows of x beyond one tile: one launch per tile of rows
         xs, os_ = x2[start:start + bm], out[start:start + bm]
         rows = xs.shape[0]
@@ -712,7 +736,7 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
             dest.stride(-2), dest.stride(0) if split > 1 else 0,
             MMA=mma, BM=bm, BN=bn, T=t, BITS=spec.bits, U=u, P=p, GROUP=spec.group,
             SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, MAGIC=cfg.get("MAGIC", True),
-            SPLIT=split > 1, EVEN=nblk % per_split == 0 and per_split % t == 0,
+            SPLIT=split > 1, EVEN=even, SB=sb, XPERM=xperm,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if split > 1:
@@ -807,7 +831,7 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
         return out.view(*lead, n)
     cfg = dict(linear_config(m, n, cols, spec.bits))
     if config:
-        if "KIND" not in config and "KIND" in cfg:  # an old-style tile config
+        if config.get("KIND", "tiles") != cfg.get("KIND"):  # another kernel: its own defaults
             cfg = {}
         cfg.update(config)
     kind = cfg.get("KIND", "tiles")
