@@ -204,7 +204,7 @@ def main():
                 bits = spec_of(FORMATS[name], cols).bits
                 for m in MS:
                     for cfg in candidates(m, bits) if args.sweep else [None]:
-                        eff = cfg or triton_linear.linear_config(m, rows, cols, bits)
+                        eff = cfg or triton_linear.linear_config(m, rows, cols, bits, spec_of(FORMATS[name], cols).fp8)
                         if eff["KIND"] in ("cublas", "tiles"):
                             key = (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
                         else:  # the compiled variant: M only matters through the gemv's rows

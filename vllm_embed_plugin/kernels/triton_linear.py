@@ -1,25 +1,30 @@
 """Weight-only GEMM for a tied LM head: logits [M, rows] = x [M, cols] @ dequant(W)^T.
 
-The packed table is never densified: programs stream tiles of packed rows, unpack and
-dequantize them in registers and multiply them there.
+The packed table is never densified as a whole and never copied: kernels read the lookup's
+layout. Which kernel runs is a per-call choice on M (`linear_config`, from a sweep on an H200,
+docs/BENCHMARKS.md):
 
-- M = 1 (decode of one sequence): a CUDA-core GEMV (`_gemv_kernel`). Each program streams 16
-  whole rows in 16-byte loads and keeps float32 partial products, reduced once at the end; no
-  tensor cores, no shared-memory staging. (Up to 4 rows of x also run there when asked.)
-- 2 <= M <= 64: tensor cores on the transposed product, W-tile @ x^T (`_linear_kernel`,
-  SWAP), so the dequantized tile is the left operand and the small M the narrow side; below
-  16 rows x is zero-padded to 16 (Triton 3.6 compiled M=4 into a kernel 2-3x slower).
-- Larger M: classic tiles (BM x BN, BK steps), M-blocks varying fastest so programs that
-  run together share a weight tile through L2 and the table is read from HBM about once.
-- The hidden size is split (fp32 atomics into a zeroed buffer, then one cast) only when the
-  vocabulary gives too few programs to fill the machine (small TP shards); a 262144-row
-  table gives thousands.
+- "gemv", M = 1: the word kernel on CUDA cores (`_words_kernel`, MMA off). Codes are read as
+  32-bit words, a block of U words holding P values (int8 1/4, int4 1/8, int6 3/16, int5 5/32,
+  fp8 1/4); value J of each block is cut out with compile-time shifts and turned into a float
+  by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
+  with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
+  block's scale (and minimum times the block's sum of x) is applied once per block.
+- "mma": the same word tiles on tensor cores (each piece scaled, rounded to x's dtype, then
+  one dot per piece); the shipped choice for int5 at 2 <= M <= 16 only.
+- "tiles": the generic tile kernels (`_linear_kernel`, `_gemv_kernel`): 8- and 4-bit codes
+  split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
+  transposed product for small M, classic tiles for larger M.
+- "cublas", large M (compute-bound): dequantize CHUNK_BYTES of rows at a time (the lookup's
+  arithmetic) into a scratch buffer, multiply it with cuBLAS into the output's columns;
+  OVERLAP dequantizes the next chunk on a side stream (two buffers). The scratch is bounded
+  (96 MiB, twice that with OVERLAP) and freed after the call.
 
-8-bit and 4-bit codes are read as bytes and split in registers (`FAST`); other widths go
-through the lookup's chunk unpacker. Symmetric per-row formats apply the row scale to the
-accumulator after the dot (levels are exact in bf16); every other format scales in float32
-before rounding the tile to x's dtype, so the tile equals the reference's dequantized rows.
-Accuracy: float32 accumulation in another order than cuBLAS, one rounding of the logits.
+Deterministic: no atomics anywhere. Where the vocabulary gives too few programs to fill the
+GPU (small TP shards) the hidden size is split into float32 partials [split, M, N] that one
+`sum` reduces in a fixed order; the chunks and cuBLAS calls are the same every call.
+Accuracy: float32 accumulation in another order than the reference, one rounding of the
+logits (relative error about 2e-3 against x @ dequant(W)^T in float32).
 """
 
 from __future__ import annotations
@@ -661,7 +666,7 @@ def _linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, c
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     if split > 1:
-        torch.sum(dest, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(dest.sum(dim=0))
+        out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
     return out
 
 
@@ -689,16 +694,29 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
         return None
 
 
-def linear_config(m: int, n: int, cols: int, bits: int) -> dict:
-    """The kernel and its shape for m rows of x (bench/bench_gemm.py --sweep on an H200).
-    KIND: 'gemv' (CUDA cores, m <= 4), 'mma' (tensor cores, x padded to BM rows), 'tiles'
-    (the generic tile kernels), 'cublas' (dequantize chunks of CHUNK_BYTES, cuBLAS)."""
+def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> dict:
+    """The kernel and its shape for m rows of x: the fastest of the candidates that
+    `bench/bench_gemm.py --sweep` timed on an H200 (tables 262144 x 2560 and 151936 x 4096,
+    docs/BENCHMARKS.md). KIND: 'gemv' (word kernel on CUDA cores), 'mma' (word kernel on
+    tensor cores, x padded to BM rows), 'tiles' (the generic tile kernels), 'cublas'
+    (dequantize CHUNK_BYTES of rows at a time, multiply with cuBLAS)."""
     u, p = _block_shape(bits)
     if m == 1:
-        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1, XPERM=True)
-    if m <= 256:
+        if bits == 4 or (bits == 8 and not fp8 and cols >= 4096):
+            return dict(KIND="gemv", BM=1, BN=32, T=512 // p, num_warps=4, num_stages=1, XPERM=True)
+        # 8-bit (int8, fp8): x permuted; 5/6-bit: 8-16 pieces read x from L1 faster as is
+        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1,
+                    XPERM=bits in (4, 8))
+    if m <= 16:
+        if bits == 5:
+            return dict(KIND="mma", BM=16, BN=64 if m <= 4 else 128, T=16, num_warps=4,
+                        num_stages=1, XPERM=True)
         return dict(KIND="tiles")
-    return dict(KIND="cublas", CHUNK_BYTES=96 << 20)
+    if m <= 64:
+        return dict(KIND="tiles") if bits in (4, 8) else dict(KIND="cublas", CHUNK_BYTES=96 << 20)
+    if m <= 256 and bits == 4:
+        return dict(KIND="tiles")
+    return dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=m <= 1024)
 
 
 def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
@@ -829,7 +847,7 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
-    cfg = dict(linear_config(m, n, cols, spec.bits))
+    cfg = dict(linear_config(m, n, cols, spec.bits, spec.fp8))
     if config:
         if config.get("KIND", "tiles") != cfg.get("KIND"):  # another kernel: its own defaults
             cfg = {}
