@@ -46,7 +46,7 @@ FORMATS: list[tuple[str, TableFormat]] = [
     ("fp8 per-row", Fp8Format("fp8", None)),
 ]
 GEMM_TABLE = (262144, 2560)
-GEMM_MS = [1, 16, 256, 4096]
+GEMM_MS = [1, 16, 256, 4096]  # the sweep below; bench_gemm.py has the section's sizes
 GEMM_FORMATS = [f for f in FORMATS if f[0] in ("int8 per-row", "int8 g64", "int4 g32", "int4 affine g64")]
 HOST_NS = [1, 64, 256, 2048, 65536]
 
@@ -231,42 +231,16 @@ def bench_lookups(log, copy_bw, replays=200):
 
 
 def bench_gemm(log):
-    rows, cols = GEMM_TABLE
-    jobs = []
-    from vllm_embed_plugin.kernels import triton_linear, triton_lookup
+    """The tied-head GEMM section: bench_gemm.py's tables (shipped heuristics, both shapes,
+    BF16 cuBLAS and vLLM's Marlin beside them)."""
+    import bench_gemm
 
-    for _, fmt in GEMM_FORMATS:
-        for m in GEMM_MS:
-            jobs.append(("linear", fmt, cols, m, rows, None))
-    precompile(jobs, workers=6)
-    weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
-    out_rows, summary = [], {}
-    xs = {m: torch.randn(m, cols, device="cuda").to(torch.bfloat16) for m in GEMM_MS}
-    reps = {1: 200, 16: 200, 256: 100, 4096: 10}
-    bf = {m: graph_time_us(lambda m=m: xs[m] @ weight.T, reps[m]) for m in GEMM_MS}
-    out_rows.append(["BF16 cuBLAS"] + [f"{bf[m]:.0f} us" for m in GEMM_MS] + ["-", f"{rows * cols * 2 / HBM * 1e6:.0f} us"])
-    for label, fmt in GEMM_FORMATS:
-        packed = random_packed(fmt, rows, cols)
-        t = {m: graph_time_us(lambda m=m: kernels.linear(fmt, packed, xs[m], cols), reps[m]) for m in GEMM_MS}
-        # accuracy against the reference on 8192 rows of this table
-        part = packed.rows(slice(0, 8192))
-        ref = xs[16].float() @ fmt.dequantize(part, cols, torch.bfloat16).float().T
-        got = kernels.linear(fmt, part, xs[16], cols).float()
-        err = ((got - ref).norm() / ref.norm()).item()
-        nbytes = packed.nbytes
-        out_rows.append([label] + [f"{t[m]:.0f} us ({t[m] / bf[m]:.2f}x)" for m in GEMM_MS]
-                        + [f"{err:.1e}", f"{nbytes / HBM * 1e6:.0f} us"])
-        summary[label] = (t, bf)
-        log(f"gemm {label}: " + " ".join(f"M={m}:{t[m]:.0f}us/{t[m] / bf[m]:.2f}x" for m in GEMM_MS) + f" err {err:.1e}")
-        del packed
-    del weight
-    torch.cuda.empty_cache()
-    return (
-        f"Table {rows} x {cols}, x in BF16, logits in BF16. 'rel. error' = Frobenius relative error "
-        "against x @ dequant(W)^T in fp32 (M = 16, 8192 rows). Roofline = table bytes / 4.8 TB/s "
-        "(the decode floor).\n\n"
-        + md_table(["format"] + [f"M={m}" for m in GEMM_MS] + ["rel. error", "roofline"], out_rows)
-    ), summary
+    parts, summary = [], {}
+    for rows, cols in bench_gemm.TABLES:
+        md, res = bench_gemm.bench_table(rows, cols, False, log)
+        parts.append(f"Table {rows} x {cols}, x and logits in BF16.\n\n{md}")
+        summary[(rows, cols)] = res
+    return "\n\n".join(parts), summary
 
 
 def time_conversion(fn):

@@ -1,25 +1,30 @@
 """Weight-only GEMM for a tied LM head: logits [M, rows] = x [M, cols] @ dequant(W)^T.
 
-The packed table is never densified: programs stream tiles of packed rows, unpack and
-dequantize them in registers and multiply them there.
+The packed table is never densified as a whole and never copied: kernels read the lookup's
+layout. Which kernel runs is a per-call choice on M (`linear_config`, from a sweep on an H200,
+docs/BENCHMARKS.md):
 
-- M = 1 (decode of one sequence): a CUDA-core GEMV (`_gemv_kernel`). Each program streams 16
-  whole rows in 16-byte loads and keeps float32 partial products, reduced once at the end; no
-  tensor cores, no shared-memory staging. (Up to 4 rows of x also run there when asked.)
-- 2 <= M <= 64: tensor cores on the transposed product, W-tile @ x^T (`_linear_kernel`,
-  SWAP), so the dequantized tile is the left operand and the small M the narrow side; below
-  16 rows x is zero-padded to 16 (Triton 3.6 compiled M=4 into a kernel 2-3x slower).
-- Larger M: classic tiles (BM x BN, BK steps), M-blocks varying fastest so programs that
-  run together share a weight tile through L2 and the table is read from HBM about once.
-- The hidden size is split (fp32 atomics into a zeroed buffer, then one cast) only when the
-  vocabulary gives too few programs to fill the machine (small TP shards); a 262144-row
-  table gives thousands.
+- "gemv", M = 1: the word kernel on CUDA cores (`_words_kernel`, MMA off). Codes are read as
+  32-bit words, a block of U words holding P values (int8 1/4, int4 1/8, int6 3/16, int5 5/32,
+  fp8 1/4); value J of each block is cut out with compile-time shifts and turned into a float
+  by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
+  with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
+  block's scale (and minimum times the block's sum of x) is applied once per block.
+- "mma": the same word tiles on tensor cores (each piece scaled, rounded to x's dtype, then
+  one dot per piece); the shipped choice for int5 at 2 <= M <= 16 only.
+- "tiles": the generic tile kernels (`_linear_kernel`, `_gemv_kernel`): 8- and 4-bit codes
+  split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
+  transposed product for small M, classic tiles for larger M.
+- "cublas", large M (compute-bound): dequantize CHUNK_BYTES of rows at a time (the lookup's
+  arithmetic) into a scratch buffer, multiply it with cuBLAS into the output's columns;
+  OVERLAP dequantizes the next chunk on a side stream (two buffers). The scratch is bounded
+  (96 MiB, twice that with OVERLAP) and freed after the call.
 
-8-bit and 4-bit codes are read as bytes and split in registers (`FAST`); other widths go
-through the lookup's chunk unpacker. Symmetric per-row formats apply the row scale to the
-accumulator after the dot (levels are exact in bf16); every other format scales in float32
-before rounding the tile to x's dtype, so the tile equals the reference's dequantized rows.
-Accuracy: float32 accumulation in another order than cuBLAS, one rounding of the logits.
+Deterministic: no atomics anywhere. Where the vocabulary gives too few programs to fill the
+GPU (small TP shards) the hidden size is split into float32 partials [split, M, N] that one
+`sum` reduces in a fixed order; the chunks and cuBLAS calls are the same every call.
+Accuracy: float32 accumulation in another order than the reference, one rounding of the
+logits (relative error about 2e-3 against x @ dequant(W)^T in float32).
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr
 @triton.jit
 def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
                    M, N, cols, nchunk, k_chunks_per_split, stride_xm, code_stride, code8_stride,
-                   scale_stride, stride_om,
+                   scale_stride, stride_om, stride_split,
                    BM: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, SWAP: tl.constexpr,
                    SPLIT: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr,
                    BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
@@ -175,8 +180,8 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
     else:
         optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
         omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:
-        tl.atomic_add(optr, acc, mask=omask, sem="relaxed")
+    if SPLIT:  # one float32 partial per split, summed in a fixed order afterwards
+        tl.store(optr + pid_k.to(tl.int64) * stride_split, acc, mask=omask)
     else:
         tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -262,13 +267,316 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
         tl.store(out_ptr + 3 * stride_om + rn, (tl.sum(acc3, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 3))
 
 
+
+# -- packed words: the small-M kernels ------------------------------------------------------
+#
+# A row's codes are read as 32-bit words, U of them holding P = 32 * U / BITS values ("a
+# block": int8 1 word / 4 values, int4 1 / 8, int6 3 / 16, int5 5 / 32, fp8 1 / 4). A tile
+# is T blocks of BN rows: U strided [BN, T] word loads that together cover T * U contiguous
+# words per row. Value J of every block ("piece" J) is cut out with compile-time shifts and
+# multiplied with the matching columns of x (t * P + J), so nothing is interleaved back into
+# column order. Integer levels become floats without the int->float unit (16 per clock and
+# multiprocessor on Hopper, the bottleneck of a plain conversion): OR the level into the
+# mantissa of 2^23 and subtract 2^23 (plus the sign offset) in one float add.
+
+
+@triton.jit
+def _pick(w0, w1, w2, w3, w4, w5, w6, A: tl.constexpr):
+    r = w0
+    if A == 1:
+        r = w1
+    if A == 2:
+        r = w2
+    if A == 3:
+        r = w3
+    if A == 4:
+        r = w4
+    if A == 5:
+        r = w5
+    if A == 6:
+        r = w6
+    return r
+
+
+@triton.jit
+def _level(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr,
+           SIGNED: tl.constexpr, FP8: tl.constexpr, MAGIC: tl.constexpr):
+    """Piece J of every block, as float32 levels (fp8: values)."""
+    LO: tl.constexpr = J * BITS
+    A: tl.constexpr = LO // 32
+    S: tl.constexpr = LO % 32
+    u = _pick(w0, w1, w2, w3, w4, w5, w6, A)
+    if S > 0:
+        u = u >> S
+    if S + BITS > 32:
+        u = u | (_pick(w0, w1, w2, w3, w4, w5, w6, A + 1) << (32 - S))
+    MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    if FP8:
+        v = (u & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif MAGIC:
+        if SIGNED:  # two's complement code ^ HALF = level + HALF, unsigned
+            f = ((u & MASK) ^ HALF) | 0x4B000000
+            v = f.to(tl.float32, bitcast=True) - (8388608.0 + HALF)
+        else:
+            f = (u & MASK) | 0x4B000000
+            v = f.to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        q = (u & MASK).to(tl.int32)
+        if SIGNED:
+            q = (q ^ HALF) - HALF
+        v = q.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _load_words(wp, U: tl.constexpr, mask):
+    w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    w4 = w0
+    w5 = w0
+    w6 = w0
+    if U > 1:
+        w1 = tl.load(wp + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if U > 2:
+        w2 = tl.load(wp + 2, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if U > 3:
+        w3 = tl.load(wp + 3, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if U > 4:
+        w4 = tl.load(wp + 4, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if U > 5:
+        w5 = tl.load(wp + 5, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    if U > 6:
+        w6 = tl.load(wp + 6, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    return w0, w1, w2, w3, w4, w5, w6
+
+
+@triton.jit
+def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                  M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                  stride_split,
+                  MMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+                  BITS: tl.constexpr, U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr,
+                  SIGNED: tl.constexpr, FP8: tl.constexpr, HAS_MIN: tl.constexpr,
+                  MAGIC: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                  SB: tl.constexpr, XPERM: tl.constexpr):
+    """logits[rm, rn] for BN rows of W against BM rows of x (padded with zero rows).
+
+    MMA: tensor cores on the transposed product (dequantized W piece [BN, T] @ x piece^T
+    [T, BM]), the piece scaled to x's dtype first (as the reference rounds it). Otherwise
+    CUDA cores (BM <= 4): float32 products of levels and x per block, the block's scale
+    (and minimum times the block's sum of x) applied once per block.
+    SB: the tile holds whole groups; their scales are loaded once per group and broadcast
+    over its blocks. XPERM: x comes permuted to [M, P, blocks], so piece J's columns of x
+    are contiguous."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
+    rm = tl.arange(0, BM)
+    mmask = rm < M
+    xdt = x_ptr.dtype.element_ty
+    BLOCK_SCALE: tl.constexpr = GROUP == 0 or GROUP % P == 0
+    if GROUP == 0:
+        srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+        mrow = srow
+        if HAS_MIN:
+            mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+    if MMA:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BN, T], dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+    k_begin = pid_k * blk_per_split
+    k_end = tl.minimum(k_begin + blk_per_split, nblk)
+    for kt in range(k_begin, k_end, T):
+        t = kt + tl.arange(0, T)
+        if EVEN:
+            wmask = (t >= 0)[None, :] & (rn_safe >= 0)[:, None]
+            tmask = t >= 0
+        else:
+            tmask = t < k_end
+            wmask = tmask[None, :] & (rn_safe >= 0)[:, None]
+        wp = words_ptr + rn_safe[:, None] * word_stride + (t * U)[None, :]
+        w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask)
+        if GROUP != 0:
+            if SB:
+                NG: tl.constexpr = (T * P) // GROUP
+                gi = (kt * P) // GROUP + tl.arange(0, NG)
+                soff = rn_safe[:, None] * scale_stride + gi[None, :]
+                sg = tl.load(scales_ptr + soff).to(tl.float32)
+                sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+                mblk = sblk
+                if HAS_MIN:
+                    mg = tl.load(mins_ptr + soff).to(tl.float32)
+                    mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+            elif BLOCK_SCALE:
+                soff = rn_safe[:, None] * scale_stride + ((t * P) // GROUP)[None, :]
+                sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+                mblk = sblk
+                if HAS_MIN:
+                    mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+        else:
+            sblk = srow
+            mblk = mrow
+        if not MMA:
+            p0 = tl.zeros([BN, T], dtype=tl.float32)
+            p1 = p0
+            p2 = p0
+            p3 = p0
+            xs0 = tl.zeros([T], dtype=tl.float32)
+            xs1 = xs0
+            xs2 = xs0
+            xs3 = xs0
+        for J in tl.static_range(P):
+            lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, MAGIC)
+            col = t * P + J
+            if XPERM:
+                xcol = J * nblk + t
+            else:
+                xcol = col
+            if not BLOCK_SCALE:  # the block spans groups: scale each piece
+                soff = rn_safe[:, None] * scale_stride + (col // GROUP)[None, :]
+                sp = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+                lev = lev * sp
+                if HAS_MIN:
+                    lev = lev + tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+            if MMA:
+                if BLOCK_SCALE:
+                    if not (GROUP == 0 and not HAS_MIN):  # else: row scale after the dot
+                        lev = lev * sblk
+                        if HAS_MIN:
+                            lev = lev + mblk
+                xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :],
+                             mask=mmask[:, None] & tmask[None, :], other=0)
+                acc = tl.dot(lev.to(xdt), tl.trans(xt), acc)
+            else:
+                x0 = tl.load(x_ptr + xcol, mask=tmask, other=0).to(tl.float32)
+                p0 += lev * x0[None, :]
+                xs0 += x0
+                if BM > 1:
+                    x1 = tl.load(x_ptr + stride_xm + xcol, mask=tmask & (t * 0 + M > 1), other=0).to(tl.float32)
+                    p1 += lev * x1[None, :]
+                    xs1 += x1
+                if BM > 2:
+                    x2 = tl.load(x_ptr + 2 * stride_xm + xcol, mask=tmask & (t * 0 + M > 2), other=0).to(tl.float32)
+                    x3 = tl.load(x_ptr + 3 * stride_xm + xcol, mask=tmask & (t * 0 + M > 3), other=0).to(tl.float32)
+                    p2 += lev * x2[None, :]
+                    p3 += lev * x3[None, :]
+                    xs2 += x2
+                    xs3 += x3
+        if not MMA:
+            if BLOCK_SCALE:
+                acc0 += p0 * sblk
+                if HAS_MIN:
+                    acc0 += mblk * xs0[None, :]
+                if BM > 1:
+                    acc1 += p1 * sblk
+                    if HAS_MIN:
+                        acc1 += mblk * xs1[None, :]
+                if BM > 2:
+                    acc2 += p2 * sblk
+                    acc3 += p3 * sblk
+                    if HAS_MIN:
+                        acc2 += mblk * xs2[None, :]
+                        acc3 += mblk * xs3[None, :]
+            else:
+                acc0 += p0
+                if BM > 1:
+                    acc1 += p1
+                if BM > 2:
+                    acc2 += p2
+                    acc3 += p3
+    odt = out_ptr.dtype.element_ty
+    if MMA:
+        if GROUP == 0 and not HAS_MIN:
+            acc = acc * srow
+        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        omask = mmask[None, :] & nmask[:, None]
+        if SPLIT:
+            tl.store(optr + pid_k.to(tl.int64) * stride_split, acc, mask=omask)
+        else:
+            tl.store(optr, acc.to(odt), mask=omask)
+    else:
+        optr = out_ptr + pid_k.to(tl.int64) * stride_split + rn
+        r0 = tl.sum(acc0, axis=1)
+        if SPLIT:
+            tl.store(optr, r0, mask=nmask)
+        else:
+            tl.store(optr, r0.to(odt), mask=nmask)
+        if BM > 1:
+            r1 = tl.sum(acc1, axis=1)
+            if SPLIT:
+                tl.store(optr + stride_om, r1, mask=nmask & (rn * 0 + M > 1))
+            else:
+                tl.store(optr + stride_om, r1.to(odt), mask=nmask & (rn * 0 + M > 1))
+        if BM > 2:
+            r2 = tl.sum(acc2, axis=1)
+            r3 = tl.sum(acc3, axis=1)
+            if SPLIT:
+                tl.store(optr + 2 * stride_om, r2, mask=nmask & (rn * 0 + M > 2))
+                tl.store(optr + 3 * stride_om, r3, mask=nmask & (rn * 0 + M > 3))
+            else:
+                tl.store(optr + 2 * stride_om, r2.to(odt), mask=nmask & (rn * 0 + M > 2))
+                tl.store(optr + 3 * stride_om, r3.to(odt), mask=nmask & (rn * 0 + M > 3))
+
+
+# -- large M: dequantize bounded row chunks, multiply with cuBLAS --------------------------
+
+
+@triton.jit
+def _dequant_rows_kernel(units_ptr, scales_ptr, mins_ptr, out_ptr,
+                         row0, nrows, cols, nchunk, code_stride, scale_stride, out_stride,
+                         BT: tl.constexpr, NK: tl.constexpr,
+                         BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                         GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                         HAS_MIN: tl.constexpr, EVEN: tl.constexpr):
+    """Rows row0 .. row0 + nrows of the table, dequantized (the lookup's arithmetic) into
+    out[0 .. nrows]."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    tok = pid_t * BT + tl.arange(0, BT)
+    tmask = tok < nrows
+    row = (row0 + tl.where(tmask, tok, 0)).to(tl.int64)
+    chunk = pid_c * NK + tl.arange(0, NK)
+    if EVEN:
+        mask = tmask[:, None] & (chunk >= 0)[None, :]
+    else:
+        mask = tmask[:, None] & (chunk < nchunk)[None, :]
+    if GROUP == 0:
+        scale = tl.load(scales_ptr + row * scale_stride).to(tl.float32)[:, None]
+        mn = scale
+        if HAS_MIN:
+            mn = tl.load(mins_ptr + row * scale_stride).to(tl.float32)[:, None]
+    else:
+        soff = row[:, None] * scale_stride + ((chunk * 8) // GROUP)[None, :]
+        scale = tl.load(scales_ptr + soff, mask=mask, other=0).to(tl.float32)
+        mn = scale
+        if HAS_MIN:
+            mn = tl.load(mins_ptr + soff, mask=mask, other=0).to(tl.float32)
+    vals = dequant_chunks(units_ptr, row[:, None] * code_stride, chunk[None, :], mask, scale, mn,
+                          BITS, U, UNIT_BITS, SIGNED, FP8, True, HAS_MIN, out_ptr.dtype.element_ty)
+    col = pid_c * (NK * 8) + tl.arange(0, NK * 8)
+    optr = out_ptr + tok.to(tl.int64)[:, None] * out_stride + col[None, :]
+    if EVEN:
+        omask = tmask[:, None] & (col >= 0)[None, :]
+    else:
+        omask = tmask[:, None] & (col < cols)[None, :]
+    tl.store(optr, vals, mask=omask)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def linear_config(m: int, n: int, cols: int, bits: int) -> dict:
+def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     """Kernel and tile shapes, from sweeps on an H200 (table 262144 x 2560,
     bench/bench_kernels.py --sweep gemm). One row of x: the CUDA-core GEMV. 2..16 rows: the
     transposed tensor-core tile with x padded to 16 rows (Triton 3.6 compiled M=4 to a
@@ -288,23 +596,12 @@ def linear_config(m: int, n: int, cols: int, bits: int) -> dict:
     return dict(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)
 
 
-def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
-           config: dict | None = None) -> torch.Tensor | None:
-    """x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype; None if the format is not
-    one the kernel handles."""
-    spec = spec_of(fmt, cols)
-    if spec is None or x.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, cols)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+def _linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
+                  out: torch.Tensor, config: dict | None) -> torch.Tensor:
+    """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
     m, n = x2.shape[0], table.num_rows
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out.view(*lead, n)
     units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
-    cfg = dict(linear_config(m, n, cols, spec.bits))
+    cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
     scales = table.scales
@@ -315,8 +612,10 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
         padded = x2.new_zeros((cfg["BM"], cols))
         padded[:m] = x2
         cfg = {k: v for k, v in cfg.items() if k != "PAD_M"}
-        full = linear(fmt, table, padded, cols, config=cfg)
-        return full[:m].view(*lead, n)
+        full = torch.empty((cfg["BM"], n), dtype=out.dtype, device=out.device)
+        _linear_tiles(fmt, spec, table, padded, cols, full, cfg)
+        out.copy_(full[:m])
+        return out
     if cfg.get("GEMV") and m <= 4 and n > 0:
         nkc = cfg["BK"] // 8
         nchunk = math.ceil(cols / 8)
@@ -332,7 +631,7 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
             SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        return out.view(*lead, n)
+        return out
     nchunk = math.ceil(cols / 8)
 
     def fast_path(bk: int) -> bool:
@@ -351,21 +650,215 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
     grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
     # Split the hidden size only when the vocabulary leaves multiprocessors idle.
     split = cfg.get("SPLIT_K") or 1
-    if "SPLIT_K" not in cfg and grid_m * grid_n < 2 * _num_sms(x.device):
-        split = max(1, min(triton.cdiv(nchunk, nkc), (4 * _num_sms(x.device)) // (grid_m * grid_n)))
+    if "SPLIT_K" not in cfg and grid_m * grid_n < 2 * _num_sms(x2.device):
+        split = max(1, min(triton.cdiv(nchunk, nkc), (4 * _num_sms(x2.device)) // (grid_m * grid_n)))
     per_split = triton.cdiv(triton.cdiv(nchunk, split), nkc) * nkc  # a multiple of nkc
     split = triton.cdiv(nchunk, per_split)
-    dest = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     stages = cfg["num_stages"]
     _linear_kernel[(grid_m, grid_n, split)](
         x2, units, table.codes, scales, mins, dest,
         m, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
-        scales.stride(0), dest.stride(0),
+        scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0,
         BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
         BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group, SIGNED=spec.signed,
         FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     if split > 1:
-        out.copy_(dest)
+        out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
+    return out
+
+
+# -- host side: the word kernels, the cuBLAS path, and the choice between them ---------------
+
+
+def _block_shape(bits: int) -> tuple[int, int]:
+    """(words per block U, values per block P) for BITS-bit codes in 32-bit words."""
+    u = bits // math.gcd(bits, 32)
+    return u, 32 * u // bits
+
+
+def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
+    """The codes as [rows, words] int32 (a view, no copy), or None when the row is not a
+    whole number of blocks or the view is not 4-byte aligned."""
+    codes = table.codes
+    u, p = _block_shape(spec.bits)
+    if cols % p or codes.shape[1] % 4 or codes.stride(-1) != 1 or codes.stride(0) % 4:
+        return None
+    if codes.data_ptr() % 4:
+        return None
+    try:
+        return codes.view(torch.int32)
+    except RuntimeError:
+        return None
+
+
+def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> dict:
+    """The kernel and its shape for m rows of x: the fastest of the candidates that
+    `bench/bench_gemm.py --sweep` timed on an H200 (tables 262144 x 2560 and 151936 x 4096,
+    docs/BENCHMARKS.md). KIND: 'gemv' (word kernel on CUDA cores), 'mma' (word kernel on
+    tensor cores, x padded to BM rows), 'tiles' (the generic tile kernels), 'cublas'
+    (dequantize CHUNK_BYTES of rows at a time, multiply with cuBLAS)."""
+    u, p = _block_shape(bits)
+    if m == 1:
+        if bits == 4 or (bits == 8 and not fp8 and cols >= 4096):
+            return dict(KIND="gemv", BM=1, BN=32, T=512 // p, num_warps=4, num_stages=1, XPERM=True)
+        # 8-bit (int8, fp8): x permuted; 5/6-bit: 8-16 pieces read x from L1 faster as is
+        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1,
+                    XPERM=bits in (4, 8))
+    if m <= 16:
+        if bits == 5:
+            return dict(KIND="mma", BM=16, BN=64 if m <= 4 else 128, T=16, num_warps=4,
+                        num_stages=1, XPERM=True)
+        return dict(KIND="tiles")
+    if m <= 64:
+        return dict(KIND="tiles") if bits in (4, 8) else dict(KIND="cublas", CHUNK_BYTES=96 << 20)
+    if m <= 256 and bits == 4:
+        return dict(KIND="tiles")
+    return dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=m <= 1024)
+
+
+def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
+                  out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    m, n = x2.shape[0], table.num_rows
+    u, p = _block_shape(spec.bits)
+    mma = cfg["KIND"] == "mma"
+    bm, bn, t = cfg["BM"], cfg["BN"], cfg["T"]
+    if not mma:
+        bm = 1 if m == 1 else (2 if m == 2 else 4)
+    nblk = cols // p
+    grid_n = triton.cdiv(n, bn)
+    split = cfg.get("SPLIT_K") or 1
+    if "SPLIT_K" not in cfg and grid_n < 2 * _num_sms(x2.device):
+        split = max(1, min(triton.cdiv(nblk, t), (4 * _num_sms(x2.device)) // grid_n))
+    per_split = triton.cdiv(triton.cdiv(nblk, split), t) * t
+    split = triton.cdiv(nblk, per_split)
+    scales = table.scales
+    mins = table.mins if table.mins is not None else scales
+    even = nblk % per_split == 0 and per_split % t == 0
+    g = spec.group
+    sb = (cfg.get("SB", True) and even and g != 0 and g % p == 0 and (t * p) % g == 0
+          and ((t * p) // g) & ((t * p) // g - 1) == 0)
+    xperm = cfg.get("XPERM", False)
+    if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
+        xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
+        x2 = xp if mma else xp.float()
+    for start in range(0, m, bm):  # rows of x beyond one tile: one launch per tile of rows
+        xs, os_ = x2[start:start + bm], out[start:start + bm]
+        rows = xs.shape[0]
+        dest = os_ if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x2.device)
+        _words_kernel[(grid_n, split)](
+            xs, words, scales, mins, dest,
+            rows, n, nblk, per_split, xs.stride(0), words.stride(0), scales.stride(0),
+            dest.stride(-2), dest.stride(0) if split > 1 else 0,
+            MMA=mma, BM=bm, BN=bn, T=t, BITS=spec.bits, U=u, P=p, GROUP=spec.group,
+            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, MAGIC=cfg.get("MAGIC", True),
+            SPLIT=split > 1, EVEN=even, SB=sb, XPERM=xperm,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        if split > 1:
+            os_.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
+    return out
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def dequant_rows(fmt: TableFormat, spec, table: PackedRows, start: int, out: torch.Tensor, cols: int) -> None:
+    """Rows start .. start + len(out) of the table, dequantized into `out` [len, cols] (the
+    lookup's arithmetic: equal to fmt.dequantize)."""
+    from .triton_lookup import lookup_config
+
+    nrows = out.shape[0]
+    units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
+    scales = table.scales
+    mins = table.mins if table.mins is not None else scales
+    bt, nk, warps, _ = lookup_config(max(nrows, 2048), cols, spec)
+    nchunk = math.ceil(cols / 8)
+    _dequant_rows_kernel[(triton.cdiv(nrows, bt), triton.cdiv(nchunk, nk))](
+        units, scales, mins, out, start, nrows, cols, nchunk, units.stride(0), scales.stride(0),
+        out.stride(0), BT=bt, NK=nk, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits,
+        GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
+        EVEN=cols % (nk * 8) == 0, num_warps=warps, enable_fp_fusion=False,
+    )
+
+
+def _linear_cublas(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
+                   out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Compute-bound sizes: dequantize CHUNK_BYTES of rows at a time into one scratch buffer
+    (reused, so it stays in L2) and multiply it with cuBLAS straight into the output's
+    columns. Deterministic: no atomics, the same chunks every call. OVERLAP: two buffers,
+    the next chunk dequantized on a side stream while cuBLAS multiplies this one."""
+    n = table.num_rows
+    rows = max(256, (cfg.get("CHUNK_BYTES", 48 << 20) // (cols * x2.element_size())) // 256 * 256)
+    rows = min(rows, n)
+    starts = list(range(0, n, rows))
+    if not cfg.get("OVERLAP") or len(starts) == 1 or x2.device.type != "cuda":
+        buf = torch.empty((rows, cols), dtype=x2.dtype, device=x2.device)
+        for s in starts:
+            e = min(n, s + rows)
+            w = buf[: e - s]
+            dequant_rows(fmt, spec, table, s, w, cols)
+            torch.mm(x2, w.t(), out=out[:, s:e])
+        return out
+    cur = torch.cuda.current_stream(x2.device)
+    side = _SIDE_STREAMS.get(x2.device)
+    if side is None:
+        side = _SIDE_STREAMS[x2.device] = torch.cuda.Stream(x2.device)
+    bufs = [torch.empty((rows, cols), dtype=x2.dtype, device=x2.device) for _ in range(2)]
+    ready = [torch.cuda.Event() for _ in starts]
+    done = [torch.cuda.Event() for _ in starts]
+    side.wait_stream(cur)
+
+    def produce(i):
+        s = starts[i]
+        with torch.cuda.stream(side):
+            if i >= 2:
+                side.wait_event(done[i - 2])  # its buffer's last reader
+            dequant_rows(fmt, spec, table, s, bufs[i % 2][: min(n, s + rows) - s], cols)
+            ready[i].record(side)
+
+    produce(0)
+    for i, s in enumerate(starts):
+        if i + 1 < len(starts):
+            produce(i + 1)
+        e = min(n, s + rows)
+        cur.wait_event(ready[i])
+        torch.mm(x2, bufs[i % 2][: e - s].t(), out=out[:, s:e])
+        done[i].record(cur)
+    cur.wait_stream(side)
+    return out
+
+
+def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
+           config: dict | None = None) -> torch.Tensor | None:
+    """x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype; None if the format is not
+    one the kernels handle. Deterministic: the same inputs give the same bits every call
+    (no atomics; split sums are reduced in a fixed order)."""
+    spec = spec_of(fmt, cols)
+    if spec is None or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], table.num_rows
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*lead, n)
+    cfg = dict(linear_config(m, n, cols, spec.bits, spec.fp8))
+    if config:
+        if config.get("KIND", "tiles") != cfg.get("KIND"):  # another kernel: its own defaults
+            cfg = {}
+        cfg.update(config)
+    kind = cfg.get("KIND", "tiles")
+    if kind == "cublas":
+        _linear_cublas(fmt, spec, table, x2, cols, out, cfg)
+        return out.view(*lead, n)
+    words = words_of(table, spec, cols) if kind in ("gemv", "mma") else None
+    if words is not None:
+        _linear_words(spec, table, words, x2, cols, out, cfg)
+    else:
+        _linear_tiles(fmt, spec, table, x2, cols, out, None if kind in ("gemv", "mma") else cfg)
     return out.view(*lead, n)

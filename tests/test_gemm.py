@@ -1,0 +1,133 @@
+"""The tied-head GEMM's kernels (`kernels/triton_linear.py`): every kind (CUDA-core GEMV,
+tensor-core tiles, dequantize-and-cuBLAS, the generic fallback) against the reference, in
+Triton's interpreter on the CPU and on a GPU (skipped without CUDA); the same inputs give the
+same bits every call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat, quantize_table
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+#: The shipped formats plus widths and group sizes that take other branches (a block that
+#: spans groups: int5 g16, int6 g8; per-row scales; int3, int2).
+VARIANTS = [FORMATS[n] for n in ("int8", "int6", "int5", "int4", "fp8")] + [
+    IntFormat("int8-row", 8, None),
+    IntFormat("int6-row", 6, None),
+    IntFormat("int6-g8", 6, 8),
+    IntFormat("int5-g16", 5, 16),
+    IntFormat("int4-affine-g64", 4, 64, symmetric=False),
+    IntFormat("int3-g32", 3, 32),
+    IntFormat("int2-affine-row", 2, None, symmetric=False),
+    Fp8Format("fp8-g32", 32),
+]
+
+KINDS = [
+    None,  # the heuristic
+    dict(KIND="gemv", BM=1, BN=16, T=4, num_warps=1, num_stages=1),
+    dict(KIND="gemv", BM=1, BN=16, T=4, num_warps=1, num_stages=1, SPLIT_K=3, MAGIC=False),
+    dict(KIND="mma", BM=16, BN=16, T=16, num_warps=1, num_stages=1),
+    dict(KIND="mma", BM=16, BN=32, T=16, num_warps=1, num_stages=1, SPLIT_K=2),
+    dict(KIND="cublas", CHUNK_BYTES=1 << 10),
+    dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=1, num_stages=1, XPERM=True),
+    dict(KIND="mma", BM=16, BN=32, T=16, num_warps=1, num_stages=1, XPERM=True),
+    dict(KIND="tiles"),
+]
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_gemm import KINDS, VARIANTS
+    from vllm_embed_plugin.formats import quantize_table
+    from vllm_embed_plugin.kernels import triton_linear
+    torch.manual_seed(0)
+    for cols in (256, 104):  # 104: not a whole number of blocks for most widths (fallback)
+        w = torch.randn(40, cols) * 0.02
+        for fmt in VARIANTS:
+            t = quantize_table(w, fmt)
+            wd = fmt.dequantize(t, cols, torch.float16).float()
+            for m, cfg in zip((1, 3, 2, 5, 20, 7, 4, 6, 9), KINDS):
+                x = torch.randn(m, cols).half()  # fp16: the interpreter's bf16 dot is not exact
+                ref = x.float() @ wd.T
+                out = triton_linear.linear(fmt, t, x, cols, config=cfg)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert out.shape == (m, 40) and err < 2e-3, (fmt.name, cols, m, cfg, err)
+                assert torch.equal(out, triton_linear.linear(fmt, t, x, cols, config=cfg))
+    print("ok")
+    """
+)
+
+
+def test_gemm_kernels_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = INTERPRETER_CHECK.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+@cuda
+@pytest.mark.parametrize("fmt", VARIANTS, ids=lambda f: f.name)
+@pytest.mark.parametrize("cols", [2560, 576, 100])
+def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
+    from vllm_embed_plugin.kernels import triton_linear
+
+    rows = 3000
+    g = torch.Generator().manual_seed(1)
+    table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
+    wd = fmt.dequantize(table, cols, torch.bfloat16).float()
+    for m in (1, 2, 3, 4, 5, 8, 16, 17, 40, 64, 65, 300):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        out = triton_linear.linear(fmt, table, x, cols)
+        assert out.shape == (m, rows) and out.dtype == torch.bfloat16
+        assert not out.isnan().any()
+        assert rel_err(out, x.float() @ wd.T) < 1e-2, m
+        for _ in range(3):
+            assert torch.equal(out, triton_linear.linear(fmt, table, x, cols)), m
+    x = torch.randn(6, cols, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ wd.T
+    for cfg in KINDS[1:] + [dict(KIND="cublas", CHUNK_BYTES=1 << 20, OVERLAP=True)]:
+        out = triton_linear.linear(fmt, table, x, cols, config=cfg)
+        assert rel_err(out, ref) < 1e-2, cfg
+        assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), cfg
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [None, dict(KIND="cublas", CHUNK_BYTES=1 << 20, OVERLAP=True),
+                                 dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=4, num_stages=1, SPLIT_K=4)],
+                         ids=["default", "cublas-overlap", "gemv-split"])
+def test_gpu_gemm_in_a_cuda_graph(cfg):
+    from vllm_embed_plugin.kernels import triton_linear
+
+    fmt = FORMATS["int5"]
+    rows, cols = 5000, 2560
+    table = quantize_table((torch.randn(rows, cols) * 0.02).cuda(), fmt)
+    wd = fmt.dequantize(table, cols, torch.bfloat16).float()
+    for m in (1, 16, 300):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        eager = triton_linear.linear(fmt, table, x, cols, config=cfg)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = triton_linear.linear(fmt, table, x, cols, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), m
+        x.copy_(torch.randn(m, cols, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.float() @ wd.T) < 1e-2, m
