@@ -47,18 +47,3 @@ def test_plan_reads_a_written_checkpoint(tmp_path, capsys):
     path = write_checkpoint(tmp_path / "m", vocab=4096, hidden=128, layers=1, tied=True)
     assert main(["plan", str(path / "config.json")]) == 0
     assert "tied (one table serves both)" in capsys.readouterr().out
-
-
-def test_unsupported_vllm_version_leaves_the_plugin_inert(monkeypatch, caplog):
-    import vllm
-    from vllm.model_executor import custom_op
-
-    import vllm_embed_plugin
-
-    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
-    monkeypatch.setattr(vllm, "__version__", "0.40.1")
-    monkeypatch.setattr(custom_op, "op_registry_oot", {})
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
-    assert custom_op.op_registry_oot == {}
-    assert "supports vLLM 0.32 and 0.33, not 0.40.1" in caplog.text

@@ -93,6 +93,11 @@ class EmbedSettings(BaseSettings):
         "fail",
         description="a table that cannot be converted: 'fail' stops startup, 'keep' serves it in BF16",
     )
+    untested_vllm: Literal["warn", "off"] = Field(
+        "warn",
+        description="a vLLM newer than the newest tested release: 'warn' acts on it with one "
+        "warning, 'off' leaves the plugin inactive there",
+    )
     config: Path | None = Field(None, description="TOML or YAML file with these settings")
 
     _split_models = field_validator("models", mode="before")(_split_patterns)
@@ -140,6 +145,8 @@ class EmbedSettings(BaseSettings):
         if self.importance:
             parts.append(f"importance={self.importance}")
         parts.append(f"on_error={self.on_error}")
+        if self.untested_vllm != "warn":
+            parts.append(f"untested_vllm={self.untested_vllm}")
         if self.rules:
             parts.append(f"rules={len(self.rules)}")
         if self.config:
