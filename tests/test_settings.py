@@ -156,3 +156,13 @@ def test_rejected_variable_names_what_is_allowed(monkeypatch):
     for name in ("VLLM_EMBED_FORMAT", "VLLM_EMBED_NO_TRITON", "VLLM_EMBED_CACHE",
                  "VLLM_EMBED_UNTESTED_VLLM"):
         assert name in message
+
+
+def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    config = write(tmp_path, "embed.yaml", "format: int8\n")
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
+    with pytest.raises(EmbedSettingsError, match=r"needs PyYAML \(pip install 'vllm-embed-plugin\[yaml\]'\)"):
+        load_settings()

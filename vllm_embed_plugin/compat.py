@@ -88,9 +88,9 @@ class VllmSupport:
             if untested_vllm == "off":
                 return (f"{newer}, and VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive and "
                         "changes nothing")
-            return (f"{newer}; its APIs are all present, so the plugin acts on it "
+            return (f"{newer}; its APIs are all present, so the plugin can act on it "
                     "(VLLM_EMBED_UNTESTED_VLLM=off turns it off on untested releases)")
-        return f"{version}: supported (tested: {tested}); the plugin acts on it"
+        return f"{version}: supported (tested: {tested}); the plugin can act on it"
 
 
 def detect(version: str | None = None) -> VllmSupport:

@@ -197,6 +197,13 @@ def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
     except OSError as exc:
         raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})")
     if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # noqa: F401
+        except ImportError:
+            raise EmbedSettingsError(
+                f"{CONFIG_ENV}={str(path)!r}: a YAML file needs PyYAML "
+                "(pip install 'vllm-embed-plugin[yaml]'), or write the file in TOML"
+            ) from None
         return YamlConfigSettingsSource(settings_cls, yaml_file=path)
     try:
         tomllib.loads(text)
