@@ -49,16 +49,29 @@ def test_plan_reads_a_written_checkpoint(tmp_path, capsys):
     assert "tied (one table serves both)" in capsys.readouterr().out
 
 
-def test_unsupported_vllm_version_leaves_the_plugin_inert(monkeypatch, caplog):
-    import vllm
-    from vllm.model_executor import custom_op
-
+def test_version(capsys):
     import vllm_embed_plugin
 
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm-embed-plugin {vllm_embed_plugin.__version__}"
+
+
+def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
+    import vllm
+
     monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
-    monkeypatch.setattr(vllm, "__version__", "0.40.1")
-    monkeypatch.setattr(custom_op, "op_registry_oot", {})
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
-    assert custom_op.op_registry_oot == {}
-    assert "supports vLLM 0.32 and 0.33, not 0.40.1" in caplog.text
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert f"vllm: {vllm.__version__} (distribution vllm" in out
+    assert f"vLLM {vllm.__version__}: supported" in out and "the plugin can act on it" in out
+    assert "entry point: vllm.general_plugins embed = vllm_embed_plugin:register (vllm-embed-plugin" in out
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "off")
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM 0.99.0 is newer than the newest release the plugin was tested on" in out
+    assert "VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive" in out
+    assert "VLLM_PLUGINS='other' does not name 'embed': vLLM will not load this plugin" in out

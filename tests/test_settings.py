@@ -116,3 +116,53 @@ def test_missing_and_unreadable_config(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_EMBED_CONFIG", str(directory))
     with pytest.raises(EmbedSettingsError, match="VLLM_EMBED_CONFIG"):
         load_settings()
+
+
+def test_every_documented_variable_is_accepted(monkeypatch):
+    """Variables read outside the settings (the model cache, the kernels' torch-path switch)
+    must not trip the unknown-variable check, which would stop vLLM."""
+    monkeypatch.setenv("VLLM_EMBED_NO_TRITON", "1")
+    monkeypatch.setenv("VLLM_EMBED_CACHE", "/tmp/models")
+    monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "off")
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
+    settings = load_settings()
+    assert settings.format == "int8" and settings.untested_vllm == "off"
+
+
+def test_documented_variables_match_what_is_accepted():
+    """Every VLLM_EMBED_* named in the package's sources or the README is accepted."""
+    import re
+    from pathlib import Path
+
+    import vllm_embed_plugin
+    from vllm_embed_plugin.settings import ENV_PREFIX, EmbedSettings, OTHER_ENV
+
+    root = Path(vllm_embed_plugin.__file__).parent
+    texts = [p.read_text() for p in root.rglob("*.py")]
+    readme = root.parent / "README.md"
+    if readme.exists():
+        texts.append(readme.read_text())
+    named = {m for text in texts for m in re.findall(r"\bVLLM_EMBED_[A-Z_]*[A-Z]\b", text)}
+    accepted = {ENV_PREFIX + f.upper() for f in EmbedSettings.model_fields} | OTHER_ENV
+    assert named and named <= accepted, named - accepted
+
+
+def test_rejected_variable_names_what_is_allowed(monkeypatch):
+    monkeypatch.setenv("VLLM_EMBED_NO_TRITONS", "1")
+    with pytest.raises(EmbedSettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith("unknown setting VLLM_EMBED_NO_TRITONS; allowed are ")
+    for name in ("VLLM_EMBED_FORMAT", "VLLM_EMBED_NO_TRITON", "VLLM_EMBED_CACHE",
+                 "VLLM_EMBED_UNTESTED_VLLM"):
+        assert name in message
+
+
+def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    config = write(tmp_path, "embed.yaml", "format: int8\n")
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
+    with pytest.raises(EmbedSettingsError, match=r"needs PyYAML \(pip install 'vllm-embed-plugin\[yaml\]'\)"):
+        load_settings()

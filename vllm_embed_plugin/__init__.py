@@ -12,11 +12,7 @@ from .log import logger
 
 __version__ = "0.1.0"
 
-#: vLLM releases whose layer and quantization APIs this plugin was written against.
-SUPPORTED_VLLM = ((0, 26), (0, 32), (0, 33))
-
-
-_state = {"logged": False}
+_state = {"logged": False, "vllm": None}
 
 
 def register() -> None:
@@ -28,24 +24,21 @@ def register() -> None:
         logger.info("vllm-embed-plugin %s: %s", __version__, settings.summary())
     if not settings.active:
         return
-    if not _vllm_supported():
+    if not _vllm_usable(settings.untested_vllm):
         return
     _register_layer()
 
 
-def _vllm_supported() -> bool:
-    import vllm
+def _vllm_usable(untested_vllm: str) -> bool:
+    """Whether this vLLM has what the plugin needs (decided once per process, warned once)."""
+    if _state["vllm"] is None:
+        from .compat import detect
 
-    release = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
-    if release in SUPPORTED_VLLM:
-        return True
-    logger.warning(
-        "vllm-embed-plugin %s supports vLLM %s, not %s: it stays inactive and changes nothing",
-        __version__,
-        " and ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM),
-        vllm.__version__,
-    )
-    return False
+        support = detect()
+        _state["vllm"] = support.acts(untested_vllm)
+        if support.status != "supported":
+            logger.warning("vllm-embed-plugin %s: %s", __version__, support.describe(untested_vllm))
+    return _state["vllm"]
 
 
 def _register_layer() -> None:

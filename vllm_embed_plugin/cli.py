@@ -7,6 +7,7 @@ cannot disagree.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,11 +23,41 @@ def cmd_check(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"settings: {settings.summary()}")
+    for line in _installation(settings):
+        print(line)
     if not settings.active:
         print("the plugin is inactive: vLLM runs exactly as without it")
     for model in args.model:
         print(settings.decide(model))
     return 0
+
+
+def _installation(settings) -> list[str]:
+    """Which vLLM is installed and whether the plugin acts on it; how vLLM finds the plugin."""
+    from importlib import metadata
+
+    from .compat import detect
+
+    lines = []
+    dists = metadata.packages_distributions().get("vllm", [])
+    dist = f" (distribution {', '.join(f'{d} {metadata.version(d)}' for d in dists)})" if dists else ""
+    support = detect()
+    lines.append(f"vllm: {support.version or 'not installed'}{dist}")
+    lines.append(f"vllm: {support.describe(settings.untested_vllm)}")
+    ours = [ep for ep in metadata.entry_points(group="vllm.general_plugins")
+            if ep.value.split(":")[0] == __package__]
+    if not ours:
+        lines.append("entry point: none in vllm.general_plugins: vLLM will not load this plugin "
+                     "(install the package, e.g. pip install vllm-embed-plugin)")
+    for ep in ours:
+        where = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+        where += f", {Path(__file__).parent}"
+        lines.append(f"entry point: vllm.general_plugins {ep.name} = {ep.value} ({where})")
+        allowed = os.environ.get("VLLM_PLUGINS")
+        if allowed is not None and ep.name not in allowed.split(","):
+            lines.append(f"entry point: VLLM_PLUGINS={allowed!r} does not name {ep.name!r}: "
+                         "vLLM will not load this plugin")
+    return lines
 
 
 def cmd_plan(args) -> int:
@@ -99,10 +130,13 @@ def cmd_prepare(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="vllm-embed-plugin", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"vllm-embed-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="validate VLLM_EMBED_* and the config file; show decisions")
+    check = sub.add_parser("check", help="validate VLLM_EMBED_* and the config file; show the vLLM found and each decision")
     check.add_argument("model", nargs="*", help="model names or paths as given to vLLM")
     check.set_defaults(func=cmd_check)
 

@@ -30,8 +30,10 @@ from .formats import FORMATS, GROUP_SIZES, HOST_FORMATS
 
 ENV_PREFIX = "VLLM_EMBED_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
-#: Variables under the prefix that are not settings of the engine (read elsewhere).
-OTHER_ENV = {ENV_PREFIX + "CACHE"}
+#: Variables under the prefix that are not settings of the engine, read elsewhere:
+#: the real models' cache (real_models.py) and the switch that forces the torch paths
+#: (kernels/__init__.py, which reads os.environ itself and never imports the settings).
+OTHER_ENV = {ENV_PREFIX + "CACHE", ENV_PREFIX + "NO_TRITON"}
 
 FormatName = Literal[("off", *FORMATS, *HOST_FORMATS)]  # type: ignore[valid-type]
 DeviceFormatName = Literal[("off", *FORMATS)]  # type: ignore[valid-type]
@@ -93,6 +95,11 @@ class EmbedSettings(BaseSettings):
         "fail",
         description="a table that cannot be converted: 'fail' stops startup, 'keep' serves it in BF16",
     )
+    untested_vllm: Literal["warn", "off"] = Field(
+        "warn",
+        description="a vLLM newer than the newest tested release: 'warn' acts on it with one "
+        "warning, 'off' leaves the plugin inactive there",
+    )
     config: Path | None = Field(None, description="TOML or YAML file with these settings")
 
     _split_models = field_validator("models", mode="before")(_split_patterns)
@@ -140,6 +147,8 @@ class EmbedSettings(BaseSettings):
         if self.importance:
             parts.append(f"importance={self.importance}")
         parts.append(f"on_error={self.on_error}")
+        if self.untested_vllm != "warn":
+            parts.append(f"untested_vllm={self.untested_vllm}")
         if self.rules:
             parts.append(f"rules={len(self.rules)}")
         if self.config:
@@ -188,6 +197,13 @@ def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
     except OSError as exc:
         raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})")
     if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # noqa: F401
+        except ImportError:
+            raise EmbedSettingsError(
+                f"{CONFIG_ENV}={str(path)!r}: a YAML file needs PyYAML "
+                "(pip install 'vllm-embed-plugin[yaml]'), or write the file in TOML"
+            ) from None
         return YamlConfigSettingsSource(settings_cls, yaml_file=path)
     try:
         tomllib.loads(text)
