@@ -7,6 +7,7 @@ import torch
 
 from tests.checkpoints import write_checkpoint
 from tests.e2e import greedy_close, run_engine
+from vllm_embed_plugin import __version__
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +42,7 @@ def test_unconfigured_plugin_changes_nothing(runs, models):
     assert embedding["class"] == "VocabParallelEmbedding"
     assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
     # vLLM loaded the plugin through its entry point in the worker process too.
-    assert "VllmWorker" in next(l for l in run.log.splitlines() if "vllm-embed-plugin 0.1.0: format=off" in l and "Worker" in l)
+    assert "VllmWorker" in next(l for l in run.log.splitlines() if f"vllm-embed-plugin {__version__}: format=off" in l and "Worker" in l)
 
 
 def test_int8_converts_untied_embedding_inside_worker(runs, models):

@@ -109,4 +109,5 @@ def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(joint):
 
 def test_make_format_overrides_group_size():
     assert make_format("int8").group_size == FORMATS["int8"].group_size
-    assert make_format("int8", group_size=64).group_size == 64
+    assert make_format("int8", group_size=32).group_size == 32 != FORMATS["int8"].group_size
+    assert make_format("int4", group_size=128).group_size == 128 != FORMATS["int4"].group_size

@@ -42,11 +42,12 @@ def test_conversion_replaces_table_and_lookup_matches_reference():
 class FailingFormat(IntFormat):
     """Runs out of memory on the second chunk, as a large table might."""
 
-    def quantize(self, rows):
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 2:
+    def quantize(self, rows, importance=None):
+        calls = getattr(self, "calls", 0) + 1
+        object.__setattr__(self, "calls", calls)  # a frozen dataclass, like every format
+        if calls == 2:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return super().quantize(rows)
+        return super().quantize(rows, importance)
 
 
 def faulty_layers():

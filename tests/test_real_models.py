@@ -9,7 +9,6 @@ Gemma 3 on 2 cores), later runs only read the cached checkpoints.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -124,7 +123,5 @@ def test_gemma_tokenizer_adds_bos_and_stops_at_end_of_turn(checkpoints):
 def test_second_call_reuses_cache(name, checkpoints, monkeypatch):
     first = checkpoints(name)
     monkeypatch.setattr(real_models, "_build", lambda *a, **k: pytest.fail("rebuilt"))
-    started = time.perf_counter()
-    again = prepare(name)
+    again = prepare(name)  # would fail the test if it rebuilt anything
     assert again == first
-    assert time.perf_counter() - started < 1.0

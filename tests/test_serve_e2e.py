@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.serve import Server
+from vllm_embed_plugin import __version__
 from vllm_embed_plugin.real_models import is_available, prepare
 
 pytestmark = pytest.mark.e2e
@@ -98,8 +99,8 @@ def test_server_answers_chat_and_concurrent_completions(served):
 def test_plugin_converts_the_table_inside_the_servers_worker(served):
     off, int8 = served["off"]["log"], served["int8"]["log"]
     # vLLM loaded the plugin by its entry point in the server's own processes.
-    assert "vllm-embed-plugin 0.1.0: format=int8" in int8
-    assert "vllm-embed-plugin 0.1.0: format=off" in off
+    assert f"vllm-embed-plugin {__version__}: format=int8" in int8
+    assert f"vllm-embed-plugin {__version__}: format=off" in off
     conversions = [line for line in int8.splitlines()
                    if re.search(r"vllm-embed-plugin: .*49152 x 576 table -> int8", line)]
     assert len(conversions) == 1, conversions
