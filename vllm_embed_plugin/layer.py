@@ -34,6 +34,8 @@ class CompactVocabParallelEmbedding(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *args, **kwargs):
         super().__init__(num_embeddings, embedding_dim, *args, **kwargs)
+        if not hasattr(self, "prefix"):  # vLLM keeps it on the layer only from 0.32
+            self.prefix = kwargs.get("prefix", "")
         method = choose_method(self)
         if method is not None:
             self.quant_method = method
@@ -61,7 +63,7 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         return None
     role, model_config = _owning_model(vllm_config)
     text_config = model_config.hf_text_config
-    where = f"{role} {getattr(layer, 'prefix', '') or 'embedding'}"  # no prefix before vLLM 0.28
+    where = f"{role} {layer.prefix or 'embedding'}"
 
     if layer.org_vocab_size != getattr(text_config, "vocab_size", None):
         return None  # a position or token-type table, not the token embedding
