@@ -77,7 +77,7 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             f"({type(layer.quant_method).__name__}) already covers it"
         )
         return None
-    if getattr(model_config, "word_embeddings_untied_by_checkpoint", False):  # vLLM >= 0.28
+    if getattr(model_config, "word_embeddings_untied_by_checkpoint", False):  # newer vLLM only
         # vLLM re-ties such a head only to an unconverted table; converting would keep both.
         log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
         return None
