@@ -129,3 +129,18 @@ def test_register_many_times_is_harmless(monkeypatch):
         vllm_embed_plugin.register()
     assert op_registry_oot["VocabParallelEmbedding"] is CompactVocabParallelEmbedding
     assert op_registry_oot["ParallelLMHead"] is TiedCompactLMHead
+
+
+def test_lossless_format_keeps_the_loaded_dtype():
+    """`host` stores the table as loaded: a float32 table stays float32, bit for bit."""
+    from vllm_embed_plugin.formats import HOST_FORMATS
+
+    layer = make_layer()
+    layer.weight.data = layer.weight.data.float() + 1e-7  # values bf16 cannot hold
+    original = layer.weight.detach().clone()
+    method = CompactEmbeddingMethod(HOST_FORMATS["host"], "test")
+    method._quantize = lambda weight: (method.fmt.quantize(weight), None)  # no pinned memory here
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.float32
+    ids = torch.tensor([0, 3, 511])
+    assert torch.equal(method.embedding(layer, ids), original[ids])

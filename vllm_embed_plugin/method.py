@@ -8,6 +8,7 @@ identical tables still compare equal.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -18,7 +19,8 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
 from .log import logger
-from .formats import ColumnImportance, ConversionError, PackedRows, TableFormat, quantize_table
+from .formats import (ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat,
+                      quantize_table)
 
 
 GiB = 1 << 30
@@ -57,6 +59,10 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weight = layer.weight
+        if isinstance(self.fmt, IdentityFormat) and self.fmt.dtype != weight.dtype:
+            # The lossless format keeps the table in the dtype it was loaded in.
+            self.fmt = dataclasses.replace(self.fmt, dtype=weight.dtype)
+            self.fmt_key = kernels.register_format(self.fmt)
         started = time.perf_counter()
         kernels.prepare(weight.device)  # resolve kernels now, never inside a traced forward
         try:

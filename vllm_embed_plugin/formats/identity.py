@@ -1,5 +1,5 @@
 """The lossless format: the table as it was loaded (for host placement, where the point is
-where the table lives, not how small it is)."""
+where the table lives, not how small it is). The method sets `dtype` to the loaded table's."""
 
 from __future__ import annotations
 
