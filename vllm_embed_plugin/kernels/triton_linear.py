@@ -529,47 +529,6 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
 # -- large M: dequantize bounded row chunks, multiply with cuBLAS --------------------------
 
 
-@triton.jit
-def _dequant_rows_kernel(units_ptr, scales_ptr, mins_ptr, out_ptr,
-                         row0, nrows, cols, nchunk, code_stride, scale_stride, out_stride,
-                         BT: tl.constexpr, NK: tl.constexpr,
-                         BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
-                         GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                         HAS_MIN: tl.constexpr, EVEN: tl.constexpr):
-    """Rows row0 .. row0 + nrows of the table, dequantized (the lookup's arithmetic) into
-    out[0 .. nrows]."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tok = pid_t * BT + tl.arange(0, BT)
-    tmask = tok < nrows
-    row = (row0 + tl.where(tmask, tok, 0)).to(tl.int64)
-    chunk = pid_c * NK + tl.arange(0, NK)
-    if EVEN:
-        mask = tmask[:, None] & (chunk >= 0)[None, :]
-    else:
-        mask = tmask[:, None] & (chunk < nchunk)[None, :]
-    if GROUP == 0:
-        scale = tl.load(scales_ptr + row * scale_stride).to(tl.float32)[:, None]
-        mn = scale
-        if HAS_MIN:
-            mn = tl.load(mins_ptr + row * scale_stride).to(tl.float32)[:, None]
-    else:
-        soff = row[:, None] * scale_stride + ((chunk * 8) // GROUP)[None, :]
-        scale = tl.load(scales_ptr + soff, mask=mask, other=0).to(tl.float32)
-        mn = scale
-        if HAS_MIN:
-            mn = tl.load(mins_ptr + soff, mask=mask, other=0).to(tl.float32)
-    vals = dequant_chunks(units_ptr, row[:, None] * code_stride, chunk[None, :], mask, scale, mn,
-                          BITS, U, UNIT_BITS, SIGNED, FP8, True, HAS_MIN, out_ptr.dtype.element_ty)
-    col = pid_c * (NK * 8) + tl.arange(0, NK * 8)
-    optr = out_ptr + tok.to(tl.int64)[:, None] * out_stride + col[None, :]
-    if EVEN:
-        omask = tmask[:, None] & (col >= 0)[None, :]
-    else:
-        omask = tmask[:, None] & (col < cols)[None, :]
-    tl.store(optr, vals, mask=omask)
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -766,22 +725,14 @@ _SIDE_STREAMS: dict = {}
 
 
 def dequant_rows(fmt: TableFormat, spec, table: PackedRows, start: int, out: torch.Tensor, cols: int) -> None:
-    """Rows start .. start + len(out) of the table, dequantized into `out` [len, cols] (the
-    lookup's arithmetic: equal to fmt.dequantize)."""
-    from .triton_lookup import lookup_config
+    """Rows start .. start + len(out) of the table, dequantized into `out` [len, cols]: the
+    lookup kernel on consecutive ids (equal to fmt.dequantize)."""
+    from .triton_lookup import lookup, lookup_config
 
     nrows = out.shape[0]
-    units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
-    scales = table.scales
-    mins = table.mins if table.mins is not None else scales
-    bt, nk, warps, _ = lookup_config(max(nrows, 2048), cols, spec)
-    nchunk = math.ceil(cols / 8)
-    _dequant_rows_kernel[(triton.cdiv(nrows, bt), triton.cdiv(nchunk, nk))](
-        units, scales, mins, out, start, nrows, cols, nchunk, units.stride(0), scales.stride(0),
-        out.stride(0), BT=bt, NK=nk, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits,
-        GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
-        EVEN=cols % (nk * 8) == 0, num_warps=warps, enable_fp_fusion=False,
-    )
+    ids = torch.arange(start, start + nrows, device=out.device)
+    config = lookup_config(max(nrows, 2048), cols, spec)  # the prefill tiling: a whole chunk
+    lookup(fmt, table, ids, cols, out.dtype, config=config, out=out)
 
 
 def _linear_cublas(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,

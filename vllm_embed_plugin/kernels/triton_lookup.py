@@ -198,14 +198,16 @@ def lookup_config(n: int, cols: int, spec: Spec) -> tuple[int, int, int, bool]:
 
 
 def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype,
-           config: tuple | None = None) -> torch.Tensor | None:
-    """Fused lookup; None if `fmt` is not one the kernel handles."""
+           config: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Fused lookup (into `out` [n, cols] if given); None if `fmt` is not one the kernel
+    handles."""
     spec = spec_of(fmt, cols)
     if spec is None:
         return None
     flat = ids.reshape(-1)
     n = flat.numel()
-    out = torch.empty((n, cols), dtype=dtype, device=flat.device)
+    if out is None:
+        out = torch.empty((n, cols), dtype=dtype, device=flat.device)
     if n == 0:
         return out.view(*ids.shape, cols)
     units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
