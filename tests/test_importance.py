@@ -92,11 +92,9 @@ def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, 
     # The same numbers straight from transformers: final hidden states of the same windows.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_embed_plugin.evaluate import default_corpus
-
     path = prepare("smollm2")
-    windows, _ = importance.token_windows(AutoTokenizer.from_pretrained(str(path)),
-                                          default_corpus().read_text(), 128, 256)
+    windows = importance.spread_windows(AutoTokenizer.from_pretrained(str(path)),
+                                        importance.default_corpus().read_text(), 128, 2)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.inference_mode():
         hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]
