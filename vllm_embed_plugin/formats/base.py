@@ -47,12 +47,21 @@ class ColumnImportance:
 
     `weights` (M's diagonal) steer the scale search. With `inverse_factor` the codes of each
     row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
-    columns after it, so it cancels in the logits instead of adding up."""
+    columns after it, so it cancels in the logits instead of adding up.
+
+    With `no_worse_than_plain` a group keeps its searched scale only where that also leaves no
+    more plain (unweighted) squared error than the format's plain rule. That is how an untied
+    table uses M: M weighs what an error costs in the head's input, while an input-only table's
+    errors reach the model through its first layer instead, where the massive-activation
+    columns of M are not special; trading the other columns' accuracy for them made the
+    input-side KLD worse on code."""
 
     #: [cols] positive: the cost of a squared error in each column.
     weights: torch.Tensor
     #: [cols, cols] upper Cholesky factor of (M + damping)^-1, or None for per-column weights only.
     inverse_factor: torch.Tensor | None = None
+    #: Keep the plain rule's fit in every group where the searched one has more unweighted error.
+    no_worse_than_plain: bool = False
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
@@ -67,7 +76,8 @@ class ColumnImportance:
         moment = moment.double()
         weights = moment.diagonal().clamp_min(1e-12).float()
         if not joint:
-            return cls(weights)
+            # Without joint rounding the table is untied (lookup only): see the class doc.
+            return cls(weights, no_worse_than_plain=True)
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
             moment.shape[0], dtype=moment.dtype, device=moment.device)
         inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
@@ -75,7 +85,7 @@ class ColumnImportance:
 
     def to(self, device) -> ColumnImportance:
         factor = None if self.inverse_factor is None else self.inverse_factor.to(device)
-        return ColumnImportance(self.weights.to(device), factor)
+        return ColumnImportance(self.weights.to(device), factor, self.no_worse_than_plain)
 
 
 class TableFormat(ABC):

@@ -15,6 +15,7 @@ weighted per column, and with its inverse factor the codes of a row are chosen j
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,7 +95,10 @@ class IntFormat(TableFormat):
         if importance is not None and importance.inverse_factor is not None:
             levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
         else:
-            levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
+            x = _pad_cols(rows.float(), groups * g).view(n, groups, g)
+            levels, scale, mins = self._fit(x, weight)
+            if importance is not None and importance.no_worse_than_plain and self.search:
+                levels, scale, mins = self._no_worse_than_plain(x, (levels, scale, mins), cols)
             levels = levels.reshape(n, groups * g)[:, :cols]
         codes = pack_bits(levels, self.bits)
         return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
@@ -106,6 +110,23 @@ class IntFormat(TableFormat):
             levels, scale = _fit_symmetric(x, weight, self.bits, self.search, self.scale_dtype)
             return levels, scale, None
         return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
+
+    def _no_worse_than_plain(self, x: torch.Tensor, searched, cols: int):
+        """`searched` (levels, scale, mins) of groups x [n, G, g], with the plain rule's fit in
+        every group where that one has less unweighted squared error (ties keep the search)."""
+        g = x.shape[-1]
+        mask = _pad_cols(torch.ones(1, cols, device=x.device), x.shape[1] * g).view(1, -1, g)
+        plain = dataclasses.replace(self, search=0)._fit(x, mask)
+
+        def error(levels, scale, mins):
+            back = levels * scale.unsqueeze(-1) + (0 if mins is None else mins.unsqueeze(-1))
+            return ((back - x).square() * mask).sum(-1)  # [n, G]
+
+        keep = error(*searched) <= error(*plain)
+        levels = torch.where(keep.unsqueeze(-1), searched[0], plain[0])
+        scale = torch.where(keep, searched[1], plain[1])
+        mins = None if searched[2] is None else torch.where(keep, searched[2], plain[2])
+        return levels, scale, mins
 
     def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
