@@ -8,6 +8,7 @@ import torch
 from vllm_embed_plugin import importance
 from vllm_embed_plugin.cli import main
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
+from vllm_embed_plugin.formats.base import shrink
 from vllm_embed_plugin.real_models import is_available, prepare
 
 
@@ -27,10 +28,13 @@ def test_file_round_trip_and_checks(tmp_path):
     untied = importance.load(path, 64, joint=False)
     assert torch.allclose(untied.weights, moment.diagonal()) and untied.inverse_factor is None
     tied = importance.load(path, 64, joint=True)
-    # The factor U is upper triangular with U^T U = (M + damping)^-1.
-    damped = moment.double() + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
+    # The factor U is upper triangular with U^T U = (M shrunk toward mean(diag) * I, + damping)^-1,
+    # and the weights are that matrix's diagonal; an untied table's are M's own.
+    damped = shrink(moment.double(), ColumnImportance.SHRINK)
+    damped = damped + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
     u = tied.inverse_factor.double()
     assert torch.equal(u, u.triu()) and torch.allclose(u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4)
+    assert torch.allclose(tied.weights.double(), shrink(moment.double(), ColumnImportance.SHRINK).diagonal(), rtol=1e-5)
     assert importance.read_meta(path) == {"cols": 64, "tied": True}
     with pytest.raises(importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"):
         importance.load(path, 128, joint=False)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                            "in several languages)")
     calibrate.add_argument("--positions", type=int, default=None,
                            help="tokens to measure on, in windows spread over the whole corpus "
-                           "(default 4096)")
+                           "(default 16384: all of the packaged corpus)")
     calibrate.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
     calibrate.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

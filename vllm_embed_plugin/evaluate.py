@@ -65,7 +65,7 @@ __all__ = [
 
 #: Tokens per evaluation window, and windows spread over each domain's text.
 DEFAULT_WINDOW = 256
-DEFAULT_WINDOWS = 4
+DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
 HELDOUT_FILES = tuple(Path(__file__).parent / "data" / "heldout" / f"{name}.txt"
@@ -75,7 +75,7 @@ SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
 LOGIT_CHUNK_BYTES = 256 << 20
 #: Reference log-probabilities are kept between formats when they fit in this many bytes.
-REFERENCE_CACHE_BYTES = 1 << 30
+REFERENCE_CACHE_BYTES = 3 << 30
 
 #: (name, largest bits/weight) from the smallest budget up; a row belongs to the first class
 #: whose budget it fits.
@@ -278,10 +278,7 @@ def grid(name: str, cols: int) -> list[Candidate]:
         def keyed(candidate: Candidate, key: str) -> Candidate:
             return dataclasses.replace(candidate, key=key)
 
-        rows = [
-            keyed(llama_cpp_row("Q8_0", cols, shift=SHIFT), "Q8_0 shifted"),
-            plugin_row(I("int8", 8, None), cols, label="int8 sym row (the fork's format)"),
-        ]
+        rows = [keyed(llama_cpp_row("Q8_0", cols, shift=SHIFT), "Q8_0 shifted")]
         for name, fmt in FORMATS.items():
             rows.append(keyed(plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}"), name))
             if isinstance(fmt, IntFormat):

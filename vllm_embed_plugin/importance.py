@@ -34,10 +34,11 @@ from .formats.base import ColumnImportance
 TENSOR = "second_moment"
 #: Where `vllm-embed-plugin calibrate` writes by default.
 DEFAULT_DIR = Path.home() / ".cache" / "vllm-embed-plugin" / "importance"
-#: `calibrate`'s defaults: tokens per window, and tokens in all (windows spread evenly over
-#: the corpus).
+#: `calibrate`'s defaults: tokens per window, and at most this many tokens in all, in windows
+#: spread evenly over the corpus: the whole packaged corpus (about 10,000 tokens), which
+#: measured better on held-out text than its first 4,096 tokens or more, shorter windows.
 DEFAULT_WINDOW = 512
-DEFAULT_POSITIONS = 4096
+DEFAULT_POSITIONS = 16384
 
 
 def default_corpus() -> Path:
