@@ -1,23 +1,30 @@
 """Fidelity of table formats on a real model: how far the next-token distributions move when
 only the token table is replaced by dequantize(quantize(table)).
 
-For every position of a corpus (windows of `window` tokens), the reference is the model itself
-in float32 on the CPU. Two modes per format:
+The evaluation text comes in domains (by default the packaged held-out code, technical prose
+and chat, `data/heldout/`; or one file per `--corpus`), and `windows` windows of `window`
+tokens are spread over each. For every position the reference is the model itself in float32
+on the CPU. Two modes per format:
 
 - input: the lookup reads the lossy table, the LM head keeps the original table;
 - tied:  the same lossy table also produces the logits (as a tied model stores it once).
 
-Reported per mode: mean and 99th percentile of the per-token KL(P_ref || P_quant) in nats, and
-top-1 agreement with the reference. The body runs once per format (with the lossy input table);
-both logit sets come from its final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T.
-At most one lossy float32 table exists at a time besides the original.
+Reported per mode, per domain and over all of them: mean and 99th percentile of the per-token
+KL(P_ref || P_quant) in nats, top-1 agreement with the reference, and the spread of the mean
+across windows; then the targets (ratios against llama.cpp's formats, window by window too).
+The body runs once per format (with the lossy input table); both logit sets come from its
+final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T. At most one lossy float32
+table exists at a time besides the original.
 
-Rows are plugin formats (`TableFormat`), plain or with a column importance (`importance.py`,
-measured here on held-out text as `vllm-embed-plugin calibrate` measures it), llama.cpp
-reference formats through the `gguf` package's reference quantizers, and one experiment
-computed here only: "outlier rows" (the rows with the largest error kept at 8 bits).
+Rows are plugin formats (`TableFormat`), plain or with a column importance (`importance.py`:
+a calibration file, `--importance`, or else measured here as `vllm-embed-plugin calibrate`
+measures it by default, on the packaged calibration corpus, which shares no text with the
+held-out domains), llama.cpp reference formats through the `gguf` package's reference
+quantizers, and one experiment computed here only: "outlier rows" (the rows with the largest
+error kept at 8 bits).
 
     python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
+    vllm-embed-plugin eval --model DIR --importance DIR.safetensors --corpus mine.txt --out mine.md
 
 This module never imports vLLM; transformers, gguf and tqdm (the `eval` extra) are imported
 where they are used.
@@ -280,14 +287,17 @@ def grid(name: str, cols: int) -> list[Candidate]:
 
         rows = [keyed(llama_cpp_row("Q8_0", cols, shift=SHIFT), "Q8_0 shifted")]
         for name, fmt in FORMATS.items():
-            rows.append(keyed(plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}"), name))
+            label = f"**{name}**: {_format_label(fmt)}"
+            rows.append(keyed(plugin_row(fmt, cols, label=label), name))
             if isinstance(fmt, IntFormat):
                 searched = make_format(name, weighted=True)
+                tied = (f"**{name} + importance, tied**: {_format_label(searched)}, "
+                        "rows rounded jointly")
+                untied = (f"**{name} + importance, untied**: {_format_label(searched)}, "
+                          "no worse than plain per group")
                 rows.append(keyed(plugin_row(searched, cols, weighted=True, joint=True,
-                                             label=f"**{name} + importance, tied**: {_format_label(searched)}, rows rounded jointly"),
-                                  f"{name}+tied"))
-                rows.append(keyed(plugin_row(searched, cols, weighted=True,
-                                             label=f"**{name} + importance, untied**: {_format_label(searched)}, no worse than plain per group"),
+                                             label=tied), f"{name}+tied"))
+                rows.append(keyed(plugin_row(searched, cols, weighted=True, label=untied),
                                   f"{name}+untied"))
         return rows + [keyed(llama_cpp_row(t, cols), t) for t in ("Q5_1", "Q4_0")]
     if name == "8bit":
@@ -437,8 +447,9 @@ class FidelityRun:
         self.h_ref = self._hidden(self.table, "reference")
         self.positions = self.h_ref.shape[0]
         if second_moment is None:
-            text = calibration if calibration is not None else importance.default_corpus().read_text(
-                encoding="utf-8")
+            text = calibration
+            if text is None:
+                text = importance.default_corpus().read_text(encoding="utf-8")
             calib = importance.spread_windows(tokenizer, text, calibration_window,
                                               calibration_positions // calibration_window)
             #: M = E[h h^T] of the final hidden state (importance.py).
