@@ -62,3 +62,21 @@ def test_unsupported_vllm_version_leaves_the_plugin_inert(monkeypatch, caplog):
         vllm_embed_plugin.register()
     assert custom_op.op_registry_oot == {}
     assert "supports vLLM 0.32 and 0.33, not 0.40.1" in caplog.text
+
+
+def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
+    from vllm_embed_plugin.cli import main
+
+    missing = tmp_path / "nope.txt"
+    assert main(["calibrate", "smollm2", "--corpus", str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: --corpus {missing}: no such file\n"
+
+
+def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
+    from vllm_embed_plugin.cli import main
+
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--model", "smollm2", "--corpus", str(missing)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"error: --corpus {missing}: no such file\n"

@@ -104,7 +104,16 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+#: Subcommands whose own parser reads every argument after the name (argparse's REMAINDER
+#: would hand a leading option such as `eval --model X` to the top-level parser instead).
+PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:
+        key = "eval_args" if argv[0] == "eval" else "demo_args"
+        return PASS_THROUGH[argv[0]](argparse.Namespace(**{key: argv[1:]}))
     parser = argparse.ArgumentParser(prog="vllm-embed-plugin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
