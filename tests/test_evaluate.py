@@ -147,11 +147,12 @@ def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
     calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
     out = tmp_path / "FIDELITY.md"
     argv = ["--model", str(tiny_model), "--corpus", str(mine), "--importance", str(calibration),
-            "--window", "32", "--windows", "2", "--only", "int4", "--out", str(out), "--no-progress"]
+            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
     assert evaluate.main(argv) == 0
     text = out.read_text()
     assert f"the calibration file `{calibration}`" in text and "column importance read from the file" in text
-    assert "`int4` + file, input-only <= 1x int4 (input KLD)" in text
+    assert "| target | mine |" in text
+    assert "| `int4` + file, tied <= 0.6x llama.cpp Q4_0 (tied KLD) | " in text
 
 
 @pytest.mark.parametrize("flag", ["--corpus", "--importance"])

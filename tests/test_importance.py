@@ -64,39 +64,30 @@ def test_importance_lowers_what_the_error_costs(name):
 
     plain, searched = make_format(name), make_format(name, weighted=True)
     assert isinstance(searched, IntFormat) and searched.search == WEIGHTED_SEARCH and plain.search == 0
-    weighted = cost(searched, ColumnImportance.from_second_moment(moment, joint=False))
+    weighted = cost(searched, ColumnImportance(moment.diagonal()))  # the search alone
     joint = cost(searched, ColumnImportance.from_second_moment(moment, joint=True))
     assert weighted < 0.9 * cost(plain)
     assert joint < 0.2 * weighted
 
 
 @pytest.mark.parametrize("name", ["int8", "int6", "int5", "int4"])
-def test_an_untied_table_never_has_more_plain_error_per_group(name):
-    """An untied table gets the search only (no joint rounding), and every group keeps the
-    plain rule's fit where the search would leave more unweighted squared error: the file
-    can lower what the error costs in the head's input, never raise the plain error of the
-    lookup. Without that guard the massive-activation columns pull whole groups off."""
+def test_an_untied_table_is_exactly_the_plain_one(name):
+    """A file must never make an untied (lookup-only) table worse. M describes the LM head's
+    input, not the lookup's, and a search against it raised the input-only KL divergence on
+    real models even when guarded group by group (docs/CALIBRATION.md): so an untied table's
+    codes and scales are the plain rule's, bit for bit."""
     cols = 128
     gen = torch.Generator().manual_seed(3)
-    rows = torch.randn(2048, cols, generator=gen) * 0.02
-    rows[:, 3] *= 4  # a column the table itself makes large, as real tables have
-    moment = random_moment(cols, seed=4)
-    plain, searched = make_format(name), make_format(name, weighted=True)
-    g = plain.group_size
-
-    def group_error(fmt, weights=None):
-        back = fmt.dequantize(fmt.quantize(rows, weights), cols, torch.float32)
-        return (back - rows).square().view(len(rows), -1, g).sum(-1)
-
-    untied = ColumnImportance.from_second_moment(moment, joint=False)
-    assert untied.no_worse_than_plain and untied.inverse_factor is None
-    guarded, base = group_error(searched, untied), group_error(plain)
-    assert bool((guarded <= base * (1 + 1e-5) + 1e-12).all())
-    # ... while still taking the search where it helps both.
-    assert guarded.sum() < base.sum()
-    # The unguarded search does trade plain error away in some groups.
-    unguarded = group_error(searched, ColumnImportance(untied.weights))
-    assert bool((unguarded > base * 1.01).any())
+    rows = torch.randn(512, cols, generator=gen) * 0.02
+    untied = ColumnImportance.from_second_moment(random_moment(cols, seed=4), joint=False)
+    assert untied.lookup_only and untied.inverse_factor is None
+    plain = make_format(name).quantize(rows)
+    with_file = make_format(name, weighted=True).quantize(rows, untied)
+    for key, tensor in plain.tensors().items():
+        assert torch.equal(tensor, with_file.tensors()[key]), key
+    # The same weights without the flag do move the fit (what a tied table's search does).
+    searched = make_format(name, weighted=True).quantize(rows, ColumnImportance(untied.weights))
+    assert not torch.equal(searched.scales, plain.scales)
 
 
 def test_weights_are_checked_once_when_built():

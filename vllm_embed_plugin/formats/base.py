@@ -49,19 +49,21 @@ class ColumnImportance:
     row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
     columns after it, so it cancels in the logits instead of adding up.
 
-    With `no_worse_than_plain` a group keeps its searched scale only where that also leaves no
-    more plain (unweighted) squared error than the format's plain rule. That is how an untied
-    table uses M: M weighs what an error costs in the head's input, while an input-only table's
-    errors reach the model through its first layer instead, where the massive-activation
-    columns of M are not special; trading the other columns' accuracy for them made the
-    input-side KLD worse on code."""
+    With `lookup_only` (an untied table) the importance is not used at all: the format
+    quantizes by its plain rule, exactly as without a file. M weighs what an error costs in the
+    LM head's input; an input-only table's errors reach the model through its first layer
+    instead, where M's massive-activation columns are not what matters. A search against M,
+    even one that keeps the plain fit in every group where it would leave more unweighted error,
+    raised the input-only KL divergence of some formats on some text (Gemma 3 int6 +46% on
+    held-out code, prose and chat; docs/CALIBRATION.md), and a file must never make an untied
+    table worse."""
 
     #: [cols] positive: the cost of a squared error in each column.
     weights: torch.Tensor
     #: [cols, cols] upper Cholesky factor of (M + damping)^-1, or None for per-column weights only.
     inverse_factor: torch.Tensor | None = None
-    #: Keep the plain rule's fit in every group where the searched one has more unweighted error.
-    no_worse_than_plain: bool = False
+    #: An untied table: quantize by the plain rule, as without an importance.
+    lookup_only: bool = False
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
@@ -80,7 +82,7 @@ class ColumnImportance:
         moment = moment.double()
         if not joint:
             # Without joint rounding the table is untied (lookup only): see the class doc.
-            return cls(moment.diagonal().clamp_min(1e-12).float(), no_worse_than_plain=True)
+            return cls(moment.diagonal().clamp_min(1e-12).float(), lookup_only=True)
         moment = shrink(moment, cls.SHRINK)
         weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
@@ -90,7 +92,7 @@ class ColumnImportance:
 
     def to(self, device) -> ColumnImportance:
         factor = None if self.inverse_factor is None else self.inverse_factor.to(device)
-        return ColumnImportance(self.weights.to(device), factor, self.no_worse_than_plain)
+        return ColumnImportance(self.weights.to(device), factor, self.lookup_only)
 
 
 def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:

@@ -10,7 +10,8 @@ Scale choice follows llama.cpp's quantizers: try a few candidate scales per grou
 solve least squares for the scale (and minimum) that best fits those rounded codes, and keep
 the candidate with the smallest squared error. Given a column importance, that error is
 weighted per column, and with its inverse factor the codes of a row are chosen jointly (GPTQ,
-`_fit_jointly`), for a table that is also a tied LM head.
+`_fit_jointly`), for a table that is also a tied LM head. An untied table's importance
+(`lookup_only`) leaves the plain rule in place.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class IntFormat(TableFormat):
         """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
         (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
         choice (GPTQ). None weighs every column alike and rounds each value to its nearest level."""
+        if importance is not None and importance.lookup_only:
+            # An untied table: the importance describes another use (ColumnImportance).
+            return dataclasses.replace(self, search=0).quantize(rows)
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
@@ -95,10 +99,7 @@ class IntFormat(TableFormat):
         if importance is not None and importance.inverse_factor is not None:
             levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
         else:
-            x = _pad_cols(rows.float(), groups * g).view(n, groups, g)
-            levels, scale, mins = self._fit(x, weight)
-            if importance is not None and importance.no_worse_than_plain and self.search:
-                levels, scale, mins = self._no_worse_than_plain(x, (levels, scale, mins), cols)
+            levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
             levels = levels.reshape(n, groups * g)[:, :cols]
         codes = pack_bits(levels, self.bits)
         return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
@@ -110,23 +111,6 @@ class IntFormat(TableFormat):
             levels, scale = _fit_symmetric(x, weight, self.bits, self.search, self.scale_dtype)
             return levels, scale, None
         return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
-
-    def _no_worse_than_plain(self, x: torch.Tensor, searched, cols: int):
-        """`searched` (levels, scale, mins) of groups x [n, G, g], with the plain rule's fit in
-        every group where that one has less unweighted squared error (ties keep the search)."""
-        g = x.shape[-1]
-        mask = _pad_cols(torch.ones(1, cols, device=x.device), x.shape[1] * g).view(1, -1, g)
-        plain = dataclasses.replace(self, search=0)._fit(x, mask)
-
-        def error(levels, scale, mins):
-            back = levels * scale.unsqueeze(-1) + (0 if mins is None else mins.unsqueeze(-1))
-            return ((back - x).square() * mask).sum(-1)  # [n, G]
-
-        keep = error(*searched) <= error(*plain)
-        levels = torch.where(keep.unsqueeze(-1), searched[0], plain[0])
-        scale = torch.where(keep, searched[1], plain[1])
-        mins = None if searched[2] is None else torch.where(keep, searched[2], plain[2])
-        return levels, scale, mins
 
     def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
