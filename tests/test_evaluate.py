@@ -48,16 +48,46 @@ def tiny_model(tmp_path_factory):
     return path
 
 
+#: Two evaluation domains made of the same words in another order (the tiny tokenizer knows
+#: only TEXT's pieces).
+DOMAINS = {"plain": TEXT, "reversed": " ".join(reversed(TEXT.split()))}
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model):
     torch.set_num_threads(2)
-    return evaluate.FidelityRun(tiny_model, TEXT, window=32, max_positions=128, progress=False)
+    return evaluate.FidelityRun(tiny_model, DOMAINS, window=32, windows=2, calibration=TEXT,
+                                calibration_window=32, calibration_positions=64, progress=False)
 
 
-def test_windows_and_importance(run):
-    assert run.tied and run.windows.shape == (4, 32)
-    assert run.positions == 128
+def test_windows_domains_and_importance(run):
+    assert run.tied and len(run.windows) == 4 and all(len(w) == 32 for w in run.windows)
+    assert run.window_domain == ["plain", "plain", "reversed", "reversed"]
+    assert run.positions == 128 and run.calibration_positions == 64
+    assert run.windows_of("reversed") == [(64, 96), (96, 128)]
     assert run.importance.shape == (64,) and bool((run.importance > 0).all())
+
+
+def test_spread_is_over_windows_and_domains_are_apart():
+    kld = torch.tensor([1.0, 3.0, 2.0, 2.0, 10.0, 30.0])
+    agree = torch.tensor([True, False, True, True, True, True])
+    stats = evaluate.mode_stats(kld, agree, [(0, 2), (2, 4)])
+    assert stats.kld_mean == pytest.approx(2.0) and stats.window_klds == (2.0, 2.0)
+    assert stats.spread == (2.0, 2.0) and stats.kld_std == 0 and stats.top1 == pytest.approx(0.75)
+    both = evaluate.mode_stats(kld, agree, [(0, 2), (4, 6)])
+    assert both.window_klds == (2.0, 20.0) and both.spread == (2.0, 20.0)
+    assert both.kld_mean == pytest.approx(11.0) and both.kld_std == pytest.approx(12.7279, rel=1e-4)
+
+
+def test_each_domain_has_its_own_figures(run):
+    r = run.evaluate(evaluate.plugin_row(IntFormat("int4", 4, 32), run.cols))
+    assert set(r.domains) == {"plain", "reversed"}
+    for mode in ("input", "tied"):
+        parts = [r.domain(d, mode) for d in ("plain", "reversed")]
+        assert all(len(p.window_klds) == 2 for p in parts)
+        # The whole is the mean of its (equal-sized) domains.
+        assert getattr(r, mode).kld_mean == pytest.approx(sum(p.kld_mean for p in parts) / 2, rel=1e-5)
+        assert getattr(r, mode).window_klds == parts[0].window_klds + parts[1].window_klds
 
 
 def test_identity_is_exactly_zero(run):
@@ -95,13 +125,61 @@ def test_main_writes_markdown_with_command(tiny_model, tmp_path):
     corpus.write_text(TEXT)
     out = tmp_path / "docs" / "FIDELITY.md"
     argv = ["--model", str(tiny_model), "--corpus", str(corpus), "--grid", "quick",
-            "--window", "32", "--positions", "64", "--out", str(out), "--no-progress"]
+            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
     assert evaluate.main(argv, prog="vllm-embed-plugin eval") == 0
     text = out.read_text()
     assert "vllm-embed-plugin eval --model " + str(tiny_model) in text
     assert "| format | bpw | input KLD mean | input KLD p99 | input top-1 | tied KLD mean" in text
+    assert "| format | bpw | corpus, tied | corpus, input |" in text
     assert "8-bit class" in text and "4-bit class" in text
     assert "| identity (check) | 16.00 | 0 | 0 | 100.00% | 0 | 0 | 100.00% |" in text
+    assert "| identity (check) | 16.00 | 0 (0–0) | 0 (0–0) |" in text
+
+
+def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
+    """`eval --corpus FILE --importance FILE`: the user's text and the user's M; the plugin
+    rows and the targets table are built from them."""
+    from vllm_embed_plugin import importance
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text(" ".join(reversed(TEXT.split())))
+    m = importance.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
+    calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
+    out = tmp_path / "FIDELITY.md"
+    argv = ["--model", str(tiny_model), "--corpus", str(mine), "--importance", str(calibration),
+            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
+    assert evaluate.main(argv) == 0
+    text = out.read_text()
+    assert f"the calibration file `{calibration}`" in text and "column importance read from the file" in text
+    assert "| target | mine |" in text
+    assert "| `int4` + file, tied <= 0.6x llama.cpp Q4_0 (tied KLD) | " in text
+
+
+@pytest.mark.parametrize("flag", ["--corpus", "--importance"])
+def test_a_missing_file_is_one_line(tiny_model, tmp_path, capsys, flag):
+    argv = ["--model", str(tiny_model), flag, str(tmp_path / "nope.txt")]
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"error: {flag} {tmp_path / 'nope.txt'}: no such file\n"
+
+
+def test_packaged_texts_cover_the_domains_and_stay_apart():
+    from vllm_embed_plugin import importance
+
+    domains = evaluate.packaged_domains()
+    assert list(domains) == ["code", "prose", "chat"]
+    assert "def " in domains["code"] and "Assistant:" in domains["chat"]
+    calibration = importance.default_corpus().read_text(encoding="utf-8")
+    # Prose, code (Python and others), chat in several languages.
+    for sample in ("GNU General Public License", "def ", "#include", "Assistant:", "¿", "你好", "Привет"):
+        assert sample in calibration
+    # No evaluation line longer than a stock phrase appears in the calibration corpus.
+    seen = {line.strip() for line in calibration.splitlines() if len(line.strip()) > 30}
+    for text in domains.values():
+        assert not seen & {line.strip() for line in text.splitlines()}
+    data = importance.default_corpus().parent
+    assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 200_000
 
 
 def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():
@@ -123,7 +201,7 @@ def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():
 
 
 def test_grids_build_for_any_row_length():
-    for name in ("quick", "anchors", "full", "8bit"):
+    for name in ("quick", "anchors", "full", "8bit", "plugin"):
         rows = evaluate.grid(name, 640)
         assert rows and all(r.bpw is None or r.bpw <= 16 for r in rows)
     assert {r.label for r in evaluate.grid("anchors", 640) if r.roundtrip is None} == {

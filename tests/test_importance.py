@@ -8,6 +8,7 @@ import torch
 from vllm_embed_plugin import importance
 from vllm_embed_plugin.cli import main
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
+from vllm_embed_plugin.formats.base import shrink
 from vllm_embed_plugin.real_models import is_available, prepare
 
 
@@ -27,10 +28,13 @@ def test_file_round_trip_and_checks(tmp_path):
     untied = importance.load(path, 64, joint=False)
     assert torch.allclose(untied.weights, moment.diagonal()) and untied.inverse_factor is None
     tied = importance.load(path, 64, joint=True)
-    # The factor U is upper triangular with U^T U = (M + damping)^-1.
-    damped = moment.double() + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
+    # The factor U is upper triangular with U^T U = (M shrunk toward mean(diag) * I, + damping)^-1,
+    # and the weights are that matrix's diagonal; an untied table's are M's own.
+    damped = shrink(moment.double(), ColumnImportance.SHRINK)
+    damped = damped + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
     u = tied.inverse_factor.double()
     assert torch.equal(u, u.triu()) and torch.allclose(u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4)
+    assert torch.allclose(tied.weights.double(), shrink(moment.double(), ColumnImportance.SHRINK).diagonal(), rtol=1e-5)
     assert importance.read_meta(path) == {"cols": 64, "tied": True}
     with pytest.raises(importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"):
         importance.load(path, 128, joint=False)
@@ -60,10 +64,30 @@ def test_importance_lowers_what_the_error_costs(name):
 
     plain, searched = make_format(name), make_format(name, weighted=True)
     assert isinstance(searched, IntFormat) and searched.search == WEIGHTED_SEARCH and plain.search == 0
-    weighted = cost(searched, ColumnImportance.from_second_moment(moment, joint=False))
+    weighted = cost(searched, ColumnImportance(moment.diagonal()))  # the search alone
     joint = cost(searched, ColumnImportance.from_second_moment(moment, joint=True))
     assert weighted < 0.9 * cost(plain)
     assert joint < 0.2 * weighted
+
+
+@pytest.mark.parametrize("name", ["int8", "int6", "int5", "int4"])
+def test_an_untied_table_is_exactly_the_plain_one(name):
+    """A file must never make an untied (lookup-only) table worse. M describes the LM head's
+    input, not the lookup's, and a search against it raised the input-only KL divergence on
+    real models even when guarded group by group (docs/CALIBRATION.md): so an untied table's
+    codes and scales are the plain rule's, bit for bit."""
+    cols = 128
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(512, cols, generator=gen) * 0.02
+    untied = ColumnImportance.from_second_moment(random_moment(cols, seed=4), joint=False)
+    assert untied.lookup_only and untied.inverse_factor is None
+    plain = make_format(name).quantize(rows)
+    with_file = make_format(name, weighted=True).quantize(rows, untied)
+    for key, tensor in plain.tensors().items():
+        assert torch.equal(tensor, with_file.tensors()[key]), key
+    # The same weights without the flag do move the fit (what a tied table's search does).
+    searched = make_format(name, weighted=True).quantize(rows, ColumnImportance(untied.weights))
+    assert not torch.equal(searched.scales, plain.scales)
 
 
 def test_weights_are_checked_once_when_built():
@@ -92,11 +116,9 @@ def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, 
     # The same numbers straight from transformers: final hidden states of the same windows.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_embed_plugin.evaluate import default_corpus
-
     path = prepare("smollm2")
-    windows, _ = importance.token_windows(AutoTokenizer.from_pretrained(str(path)),
-                                          default_corpus().read_text(), 128, 256)
+    windows = importance.spread_windows(AutoTokenizer.from_pretrained(str(path)),
+                                        importance.default_corpus().read_text(), 128, 2)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.inference_mode():
         hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]

@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
 def cmd_eval(args) -> int:
     from . import evaluate
 
-    return evaluate.main(args.eval_args)
+    return evaluate.main(args.eval_args, prog="vllm-embed-plugin eval")
 
 
 def cmd_demo(args) -> int:
@@ -101,13 +101,19 @@ def cmd_calibrate(args) -> int:
     import torch
 
     from . import importance
-    from .evaluate import default_corpus, resolve_model
+    from .evaluate import resolve_model
+    from .importance import default_corpus
 
-    path = resolve_model(args.model)
     corpus = args.corpus or default_corpus()
+    if not corpus.is_file():
+        print(f"error: --corpus {corpus}: no such file", file=sys.stderr)
+        return 2
+    path = resolve_model(args.model)
     torch.set_num_threads(args.threads)
-    moment, meta = importance.measure(path, corpus.read_text(encoding="utf-8"), window=args.window,
-                                      max_positions=args.positions, device=args.device,
+    window = args.window or importance.DEFAULT_WINDOW
+    positions = args.positions or importance.DEFAULT_POSITIONS
+    moment, meta = importance.measure(path, corpus.read_text(encoding="utf-8"), window=window,
+                                      max_positions=positions, device=args.device,
                                       dtype=getattr(torch, args.dtype))
     meta["corpus"] = str(corpus)
     out = args.out or importance.DEFAULT_DIR / f"{path.name}.safetensors"
@@ -129,9 +135,18 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+#: Subcommands whose own parser reads every argument after the name (argparse's REMAINDER
+#: would hand a leading option such as `eval --model X` to the top-level parser instead).
+PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import __version__
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:
+        key = "eval_args" if argv[0] == "eval" else "demo_args"
+        return PASS_THROUGH[argv[0]](argparse.Namespace(**{key: argv[1:]}))
     parser = argparse.ArgumentParser(prog="vllm-embed-plugin", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vllm-embed-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m")
     calibrate.add_argument("--out", type=Path, default=None,
                            help="file to write (default: the cache, named after the model directory)")
-    calibrate.add_argument("--corpus", type=Path, default=None, help="plain text (default: the packaged corpus)")
-    calibrate.add_argument("--positions", type=int, default=4096, help="tokens to measure on")
-    calibrate.add_argument("--window", type=int, default=512)
+    calibrate.add_argument("--corpus", type=Path, default=None,
+                           help="plain text (default: the packaged corpus of prose, code and chat "
+                           "in several languages)")
+    calibrate.add_argument("--positions", type=int, default=None,
+                           help="tokens to measure on, in windows spread over the whole corpus "
+                           "(default 16384: all of the packaged corpus)")
+    calibrate.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
     calibrate.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     calibrate.add_argument("--threads", type=int, default=2)

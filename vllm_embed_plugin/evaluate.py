@@ -1,23 +1,30 @@
 """Fidelity of table formats on a real model: how far the next-token distributions move when
 only the token table is replaced by dequantize(quantize(table)).
 
-For every position of a corpus (windows of `window` tokens), the reference is the model itself
-in float32 on the CPU. Two modes per format:
+The evaluation text comes in domains (by default the packaged held-out code, technical prose
+and chat, `data/heldout/`; or one file per `--corpus`), and `windows` windows of `window`
+tokens are spread over each. For every position the reference is the model itself in float32
+on the CPU. Two modes per format:
 
 - input: the lookup reads the lossy table, the LM head keeps the original table;
 - tied:  the same lossy table also produces the logits (as a tied model stores it once).
 
-Reported per mode: mean and 99th percentile of the per-token KL(P_ref || P_quant) in nats, and
-top-1 agreement with the reference. The body runs once per format (with the lossy input table);
-both logit sets come from its final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T.
-At most one lossy float32 table exists at a time besides the original.
+Reported per mode, per domain and over all of them: mean and 99th percentile of the per-token
+KL(P_ref || P_quant) in nats, top-1 agreement with the reference, and the spread of the mean
+across windows; then the targets (ratios against llama.cpp's formats, window by window too).
+The body runs once per format (with the lossy input table); both logit sets come from its
+final hidden states h_q: input = h_q @ W^T, tied = h_q @ W_q^T. At most one lossy float32
+table exists at a time besides the original.
 
-Rows are plugin formats (`TableFormat`), plain or with a column importance (`importance.py`,
-measured here on held-out text as `vllm-embed-plugin calibrate` measures it), llama.cpp
-reference formats through the `gguf` package's reference quantizers, and one experiment
-computed here only: "outlier rows" (the rows with the largest error kept at 8 bits).
+Rows are plugin formats (`TableFormat`), plain or with a column importance (`importance.py`:
+a calibration file, `--importance`, or else measured here as `vllm-embed-plugin calibrate`
+measures it by default, on the packaged calibration corpus, which shares no text with the
+held-out domains), llama.cpp reference formats through the `gguf` package's reference
+quantizers, and one experiment computed here only: "outlier rows" (the rows with the largest
+error kept at 8 bits).
 
     python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
+    vllm-embed-plugin eval --model DIR --importance DIR.safetensors --corpus mine.txt --out mine.md
 
 This module never imports vLLM; transformers, gguf and tqdm (the `eval` extra) are imported
 where they are used.
@@ -35,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -63,14 +70,19 @@ __all__ = [
     "render_markdown",
 ]
 
-DEFAULT_WINDOW = 512
-DEFAULT_POSITIONS = 4096
+#: Tokens per evaluation window, and windows spread over each domain's text.
+DEFAULT_WINDOW = 256
+DEFAULT_WINDOWS = 3
+#: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
+#: (data/README.md).
+HELDOUT_FILES = tuple(Path(__file__).parent / "data" / "heldout" / f"{name}.txt"
+                      for name in ("code", "prose", "chat"))
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
 LOGIT_CHUNK_BYTES = 256 << 20
 #: Reference log-probabilities are kept between formats when they fit in this many bytes.
-REFERENCE_CACHE_BYTES = 1 << 30
+REFERENCE_CACHE_BYTES = 3 << 30
 
 #: (name, largest bits/weight) from the smallest budget up; a row belongs to the first class
 #: whose budget it fits.
@@ -96,6 +108,8 @@ class Candidate:
     #: "plugin", "llama.cpp" or "experiment".
     kind: str = "plugin"
     note: str = ""
+    #: What the targets name this row by ("int4", "int4+tied", "Q4_0", ...), or "".
+    key: str = ""
 
 
 def _roll(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -264,28 +278,26 @@ def grid(name: str, cols: int) -> list[Candidate]:
         return anchors
     if name == "plugin":
         # The formats as the plugin ships them: plain, and with a column-importance file as
-        # the plugin applies it to a tied table (search + joint rounding) and to an untied one
-        # (search only; judge its input column), beside llama.cpp's at the same sizes.
+        # the plugin applies it to a tied table (search + joint rounding), beside llama.cpp's
+        # at the same sizes.
         from .formats import FORMATS, make_format
 
-        rows = [
-            llama_cpp_row("Q8_0", cols, shift=SHIFT),
-            plugin_row(I("int8", 8, None), cols, label="int8 sym row (the fork's format)"),
-        ]
+        def keyed(candidate: Candidate, key: str) -> Candidate:
+            return dataclasses.replace(candidate, key=key)
+
+        rows = [keyed(llama_cpp_row("Q8_0", cols, shift=SHIFT), "Q8_0 shifted")]
         for name, fmt in FORMATS.items():
-            rows.append(plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}"))
+            label = f"**{name}**: {_format_label(fmt)}"
+            rows.append(keyed(plugin_row(fmt, cols, label=label), name))
             if isinstance(fmt, IntFormat):
                 searched = make_format(name, weighted=True)
-                rows.append(plugin_row(searched, cols, weighted=True, joint=True,
-                                       label=f"**{name} + importance, tied**: {_format_label(searched)}, rows rounded jointly"))
-                rows.append(plugin_row(searched, cols, weighted=True,
-                                       label=f"**{name} + importance, untied**: {_format_label(searched)}"))
-        int8_g32 = make_format("int8", group_size=32, weighted=True)
-        rows.append(plugin_row(int8_g32, cols, weighted=True, joint=True, shift=SHIFT,
-                               label=f"**int8 + importance, tied**, group_size=32: {_format_label(int8_g32)}, rows rounded jointly, shifted {SHIFT}"))
-        rows.append(plugin_row(int8_g32, cols, weighted=True, shift=SHIFT,
-                               label=f"**int8 + importance, untied**, group_size=32: {_format_label(int8_g32)}, shifted {SHIFT}"))
-        return rows + [llama_cpp_row(t, cols) for t in ("Q5_1", "Q5_0", "Q4_1", "Q4_0")]
+                # An untied table given a file is converted exactly as without one
+                # (ColumnImportance.lookup_only): its row would repeat the plain one.
+                tied = (f"**{name} + importance, tied**: {_format_label(searched)}, "
+                        "rows rounded jointly")
+                rows.append(keyed(plugin_row(searched, cols, weighted=True, joint=True,
+                                             label=tied), f"{name}+tied"))
+        return rows + [keyed(llama_cpp_row(t, cols), t) for t in ("Q5_1", "Q4_0")]
     if name == "8bit":
         return [
             llama_cpp_row("Q8_0", cols),
@@ -334,30 +346,86 @@ class ModeStats:
     kld_mean: float
     kld_p99: float
     top1: float
+    #: Mean KLD of each window, in order: the spread of the figure across texts.
+    window_klds: tuple[float, ...] = ()
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(lowest, highest) mean KLD of one window."""
+        return (min(self.window_klds), max(self.window_klds)) if self.window_klds else (
+            self.kld_mean, self.kld_mean)
+
+    @property
+    def kld_std(self) -> float:
+        """Standard deviation of the window means (0 for one window)."""
+        return float(torch.tensor(self.window_klds).std()) if len(self.window_klds) > 1 else 0.0
+
+
+def mode_stats(kld: torch.Tensor, agree: torch.Tensor,
+               bounds: Sequence[tuple[int, int]]) -> ModeStats:
+    """Statistics of per-position KLDs and top-1 agreements over the windows at `bounds`
+    ((start, end) positions, in order; together they cover what is summarised)."""
+    kld = torch.cat([kld[s:e] for s, e in bounds])
+    agree = torch.cat([agree[s:e] for s, e in bounds])
+    return ModeStats(kld.mean().item(), torch.quantile(kld, 0.99).item(),
+                     agree.float().mean().item(),
+                     tuple(kld_w.mean().item() for kld_w in
+                           torch.split(kld, [e - s for s, e in bounds])))
 
 
 @dataclass(frozen=True)
 class Result:
     candidate: Candidate
+    #: Over every window of every domain.
     input: ModeStats | None = None
     tied: ModeStats | None = None
     seconds: float = 0.0
+    #: domain -> (input, tied) over that domain's windows.
+    domains: dict = dataclasses.field(default_factory=dict)
+
+    def domain(self, name: str, mode: str) -> ModeStats | None:
+        return self.domains.get(name, (None, None))[0 if mode == "input" else 1]
+
+
+def packaged_domains() -> dict[str, str]:
+    """The held-out evaluation texts shipped with the package, by domain name."""
+    return {path.stem: path.read_text(encoding="utf-8") for path in HELDOUT_FILES}
 
 
 class FidelityRun:
-    """One model and corpus: the reference pass, then `evaluate(candidate)` per row."""
+    """One model and its evaluation texts: the reference pass, then `evaluate(candidate)` per
+    row. The column importance comes from `second_moment` (a calibration file) or is measured
+    on `calibration` text (default: the packaged calibration corpus) as `calibrate` measures it;
+    it never sees the evaluation windows unless the same text is passed for both."""
 
-    def __init__(self, model_path: str | Path, text: str, *, window: int = DEFAULT_WINDOW,
-                 max_positions: int = DEFAULT_POSITIONS, degrid_table: bool = False,
-                 progress: bool = True):
-        """`degrid_table`: replace the model's token table by `degrid(table)` first (the
-        reference included)."""
+    def __init__(self, model_path: str | Path, domains: Mapping[str, str] | str, *,
+                 window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
+                 second_moment: torch.Tensor | None = None, calibration: str | None = None,
+                 calibration_window: int = importance.DEFAULT_WINDOW,
+                 calibration_positions: int = importance.DEFAULT_POSITIONS,
+                 degrid_table: bool = False, progress: bool = True):
+        """`domains`: name -> text (a bare text is one domain, "text"); `windows` windows of
+        `window` tokens are spread over each. `degrid_table`: replace the model's token table by
+        `degrid(table)` first (the reference included)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.progress = progress
         self.model_path = Path(model_path)
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self.windows, held_out = importance.token_windows(tokenizer, text, window, max_positions)
+        if isinstance(domains, str):
+            domains = {"text": domains}
+        #: The evaluation windows (1-D token tensors), their domain, and their positions.
+        self.windows: list[torch.Tensor] = []
+        self.window_domain: list[str] = []
+        for name, text in domains.items():
+            for ids in importance.spread_windows(tokenizer, text, window, windows):
+                self.windows.append(ids)
+                self.window_domain.append(name)
+        self.domain_names = list(domains)
+        self.bounds: list[tuple[int, int]] = []
+        for ids in self.windows:
+            start = self.bounds[-1][1] if self.bounds else 0
+            self.bounds.append((start, start + len(ids)))
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         model.eval()
         self.model = model
@@ -375,15 +443,23 @@ class FidelityRun:
 
         started = time.perf_counter()
         self.h_ref = self._hidden(self.table, "reference")
-        flat = self.h_ref.reshape(-1, self.cols)
-        self.positions = flat.shape[0]
-        #: Mean square of the final hidden state per column: what an error in that column of
-        #: the table costs in the tied logits. Measured on the corpus beyond the evaluation
-        #: windows when there is at least one more window, else on the evaluation windows.
-        self.importance_held_out = len(held_out) > 0
-        calib = self._hidden(self.table, "importance", held_out) if len(held_out) else self.h_ref
-        #: M = E[h h^T] of the final hidden state (importance.py), and its diagonal.
-        self.second_moment = importance.second_moment(calib)
+        self.positions = self.h_ref.shape[0]
+        if second_moment is None:
+            text = calibration
+            if text is None:
+                text = importance.default_corpus().read_text(encoding="utf-8")
+            calib = importance.spread_windows(tokenizer, text, calibration_window,
+                                              calibration_positions // calibration_window)
+            #: M = E[h h^T] of the final hidden state (importance.py).
+            second_moment = importance.second_moment(self._hidden(self.table, "importance", calib))
+            self.calibration_positions = calib.numel()
+        else:
+            self.calibration_positions = None
+        if second_moment.shape != (self.cols, self.cols):
+            raise importance.ImportanceError(
+                f"the importance is {tuple(second_moment.shape)}, but this table has {self.cols} "
+                "columns: it was measured on another model")
+        self.second_moment = second_moment.float()
         self.importance = self.second_moment.diagonal().clamp_min(1e-12)
         self._check_logits()
         cache = self.positions * self.vocab * 4 <= REFERENCE_CACHE_BYTES
@@ -393,10 +469,13 @@ class FidelityRun:
             self.ref_top[s : s + lp.shape[0]] = lp.argmax(-1)
         self.reference_seconds = time.perf_counter() - started
 
+    def windows_of(self, domain: str) -> list[tuple[int, int]]:
+        return [b for b, d in zip(self.bounds, self.window_domain) if d == domain]
+
     # A run keeps only the final hidden states of the reference, and its log-probabilities
     # when they are small; otherwise they are recomputed chunk by chunk for each format.
     def _reference_chunks(self):
-        flat = self.h_ref.reshape(-1, self.cols)
+        flat = self.h_ref
         for i, s in enumerate(range(0, self.positions, self.chunk)):
             if self._ref_cache is not None and i < len(self._ref_cache):
                 yield s, self._ref_cache[i]
@@ -414,24 +493,25 @@ class FidelityRun:
 
     @torch.inference_mode()
     def _hidden(self, table: torch.Tensor, desc: str,
-                windows: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [windows, window, cols] with `table` as the input table."""
+                windows: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Final hidden states [positions, cols] of `windows` (default: the evaluation windows,
+        one after the other) with `table` as the input table."""
         original = self.embedding.weight.data
         self.embedding.weight.data = table
         try:
             out = []
             for ids in _progress(self.windows if windows is None else windows, desc, self.progress):
                 out.append(self.body(input_ids=ids[None]).last_hidden_state[0])
-            return torch.stack(out)
+            return torch.cat(out)
         finally:
             self.embedding.weight.data = original
 
     @torch.inference_mode()
     def _check_logits(self) -> None:
         """The logits computed here must be the model's own (softcap, scaling, head)."""
-        ids = self.windows[0, : min(64, self.windows.shape[1])][None]
+        ids = self.windows[0][:64][None]
         theirs = self.model(input_ids=ids).logits[0]
-        ours = self._logits(self.h_ref[0, : ids.shape[1]], self.head)
+        ours = self._logits(self.h_ref[: ids.shape[1]], self.head)
         if not torch.allclose(theirs, ours, atol=1e-3, rtol=1e-3):
             raise RuntimeError("final hidden states @ head^T do not reproduce the model's logits; "
                                "this architecture needs support in evaluate.py")
@@ -442,7 +522,7 @@ class FidelityRun:
             return Result(candidate)
         started = time.perf_counter()
         lossy = candidate.roundtrip(self.table, self.second_moment)
-        h_q = self._hidden(lossy, candidate.label).reshape(-1, self.cols)
+        h_q = self._hidden(lossy, candidate.label)
         modes = {"input": self.head}
         if self.tied:
             modes["tied"] = lossy
@@ -461,9 +541,12 @@ class FidelityRun:
                 kld[mode][s:e] = lp.neg_().add_(lp_ref).mul_(p_ref).sum(-1)
                 del lp
         del lossy
-        stats = {m: ModeStats(kld[m].mean().item(), torch.quantile(kld[m], 0.99).item(),
-                              agree[m].float().mean().item()) for m in modes}
-        return Result(candidate, seconds=time.perf_counter() - started, **stats)
+        stats = {m: mode_stats(kld[m], agree[m], self.bounds) for m in modes}
+        domains = {}
+        for name in self.domain_names:
+            per = {m: mode_stats(kld[m], agree[m], self.windows_of(name)) for m in modes}
+            domains[name] = (per.get("input"), per.get("tied"))
+        return Result(candidate, seconds=time.perf_counter() - started, domains=domains, **stats)
 
 
 def _progress(items, desc: str, enabled: bool, total: int | None = None):
@@ -529,10 +612,11 @@ class Section:
     title: str
     results: list[Result]
     positions: int
-    windows: int
+    #: Domain name -> windows measured on it.
+    domains: dict[str, int]
     window: int
-    #: Whether the column importance came from corpus text outside the evaluation windows.
-    importance_held_out: bool
+    #: Positions the importance was measured on here; None when it came from a file.
+    calibration_positions: int | None
     degridded: bool
     seconds: float
 
@@ -554,7 +638,7 @@ class ModelReport:
 _PREAMBLE = """\
 Only the token table is replaced by dequantize(quantize(table)); everything else is the original
 model in float32 on the CPU. KLD = per-token KL(P_ref || P_quant) in nats over every position of
-the corpus windows (mean and 99th percentile); top-1 = agreement of the arg-max token with the
+the evaluation windows (mean and 99th percentile); top-1 = agreement of the arg-max token with the
 reference. *input*: only the lookup reads the lossy table, the LM head keeps the original;
 *tied*: the same lossy table also produces the logits. bpw = stored bits per weight, scales,
 minimums and side tables included. Within a class, rows are sorted by tied KLD.
@@ -567,10 +651,13 @@ minimums and side tables included. Within a class, rows are sorted by tied KLD.
   N candidate scales on each side of the plain one, each refit by least squares, llama.cpp's
   way) weighing each column's squared error by M's diagonal. *tied*: as the plugin treats a
   tied table, each row's codes are also chosen jointly against M (GPTQ), so their errors cancel
-  in the logits. *untied*: the search only, as the plugin treats an untied table: only its
-  input columns apply. Here M is measured on the corpus text after the evaluation windows (see
-  each section), so it is never fitted to the text it is judged on. Rows without it are the
-  plugin with no file."""
+  in the logits. An untied table given a file is converted exactly as without one (M
+  describes the head's input, not the lookup's; docs/CALIBRATION.md), so the plain rows are
+  also the untied tables with a file. M comes from the calibration text named above, never
+  from the evaluation windows. Rows without it are the plugin with no file.
+- Every domain is measured on several windows spread over its text; a figure's spread is the
+  lowest and highest mean KLD of one window (and, for the targets, the lowest and highest ratio
+  window by window, the same windows for both rows)."""
 
 _GRIDDED_NOTE = """- Both real tables were published as Q8_0 on aligned 32-column blocks: aligned Q8_0, and any
   int8 on aligned 32-column groups, reproduce them almost exactly. Rows *shifted {shift}* move the
@@ -598,8 +685,78 @@ def preamble(reports: Sequence[ModelReport]) -> str:
     return "\n".join(parts)
 
 
+#: The issue's targets: (row, key of the row, key of the reference row, largest ratio of mean
+#: KLDs, mode). Each is judged per domain on its mean; the spread is the ratio window by window.
+#: The fourth, that a file never raises an untied table's KLD, holds by construction: an
+#: untied table given a file is converted exactly as without one.
+TARGETS = (
+    ("`int4` + file, tied", "int4+tied", "Q4_0", 0.6, "tied"),
+    ("`int5` + file, tied", "int5+tied", "Q5_1", 0.5, "tied"),
+    ("`int8` + file, tied", "int8+tied", "Q8_0 shifted", 1.0, "tied"),
+)
+
+
+def _short(x: float) -> str:
+    """2.7e-2 style: two significant digits, a short exponent."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _with_spread(m: ModeStats | None) -> str:
+    if m is None:
+        return "-"
+    low, high = m.spread
+    return f"{_short(m.kld_mean)} ({_short(low)}–{_short(high)})"
+
+
+def _domain_table(results: Sequence[Result], domains: Sequence[str]) -> list[str]:
+    """Per-domain mean KLD and its spread (lowest–highest window), tied then input."""
+    head = " | ".join([f"{d}, tied" for d in domains] + [f"{d}, input" for d in domains])
+    lines = [f"| format | bpw | {head} |", "|---|---|" + "---|" * (2 * len(domains))]
+
+    def key(r: Result):
+        first = r.domain(domains[0], "tied") or r.domain(domains[0], "input")
+        return (-(r.candidate.bpw or 0), first.kld_mean if first else math.inf)
+
+    for r in sorted((r for r in results if r.domains), key=key):
+        c = r.candidate
+        label = f"*{c.label}*" if c.kind == "llama.cpp" else c.label
+        cells = ([_with_spread(r.domain(d, "tied")) for d in domains]
+                 + [_with_spread(r.domain(d, "input")) for d in domains])
+        lines.append(f"| {label} | {c.bpw:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def target_ratios(row: Result, ref: Result, domain: str, mode: str) -> tuple[float, float, float]:
+    """(ratio of the domain's mean KLDs, lowest and highest ratio window by window)."""
+    a, b = row.domain(domain, mode), ref.domain(domain, mode)
+    pairs = [x / y for x, y in zip(a.window_klds, b.window_klds) if y > 0]
+    ratio = a.kld_mean / b.kld_mean if b.kld_mean > 0 else math.inf
+    return ratio, min(pairs, default=ratio), max(pairs, default=ratio)
+
+
+def _target_table(results: Sequence[Result], domains: Sequence[str]) -> list[str]:
+    by_key = {r.candidate.key: r for r in results if r.candidate.key and r.domains}
+    lines = ["| target | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+    for title, key, ref_key, limit, mode in TARGETS:
+        row, ref = by_key.get(key), by_key.get(ref_key)
+        if row is None or ref is None or row.domain(domains[0], mode) is None:
+            continue
+        cells = []
+        for d in domains:
+            ratio, low, high = target_ratios(row, ref, d, mode)
+            verdict = "met" if ratio <= limit else f"**missed by {ratio / limit - 1:.0%}**"
+            cells.append(f"{ratio:.2f}x ({low:.2f}–{high:.2f}), {verdict}")
+        anchor = ref.candidate.label.replace("**", "")
+        lines.append(f"| {title} <= {limit:g}x {anchor.split(':')[0]} ({mode} KLD) | "
+                     + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
 def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str,
-                    date: str | None = None) -> str:
+                    calibration: str = "", date: str | None = None) -> str:
     date = date or datetime.date.today().isoformat()
     minutes = sum(r.seconds for r in reports) / 60
     out = [
@@ -611,7 +768,9 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
         command,
         "```",
         "",
-        f"Corpus: {corpus}.",
+        f"Evaluation text, one domain each: {corpus}.",
+        "",
+        f"Column importance (*+ importance* rows): {calibration}." if calibration else "",
         "",
         *preamble(reports).splitlines(),
     ]
@@ -624,17 +783,32 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
             f"{'tied' if rep.tied else 'untied'} LM head.",
         ]
         for sec in rep.sections:
-            where = ("the corpus text after the evaluation windows" if sec.importance_held_out
-                     else "the evaluation windows themselves (in-sample)")
+            domains = list(sec.domains)
+            where = (f"measured here on {sec.calibration_positions} positions"
+                     if sec.calibration_positions is not None else "read from the file")
             out += [
                 "",
                 f"### {sec.title}",
                 "",
-                f"{sec.positions} positions ({sec.windows} windows of {sec.window} tokens); column "
-                f"importance measured on {where}; {sec.seconds / 60:.1f} min.",
+                f"{sec.positions} positions: "
+                + ", ".join(f"{d} {n} window{'s' if n > 1 else ''}" for d, n in sec.domains.items())
+                + f" of up to {sec.window} tokens; column importance {where}; "
+                f"{sec.seconds / 60:.1f} min.",
                 "",
-                *_table(sec.results),
+                "Mean KLD per domain, and in brackets the lowest and highest mean of one window:",
+                "",
+                *_domain_table(sec.results, domains),
             ]
+            targets = _target_table(sec.results, domains)
+            if targets:
+                out += [
+                    "",
+                    "Targets, per domain: the ratio of mean KLDs, in brackets the lowest and "
+                    "highest ratio window by window:",
+                    "",
+                    *targets,
+                ]
+            out += ["", "All domains together:", "", *_table(sec.results)]
     return "\n".join(out) + "\n"
 
 
@@ -642,7 +816,8 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
 
 
 def default_corpus() -> Path:
-    return Path(__file__).parent / "data" / "corpus.txt"
+    """The packaged calibration corpus (what `calibrate` reads by default)."""
+    return importance.default_corpus()
 
 
 def resolve_model(name: str) -> Path:
@@ -654,16 +829,19 @@ def resolve_model(name: str) -> Path:
     return prepare(name)
 
 
-def evaluate_model(model: str, text: str, *, grid_name: str = "full", window: int = DEFAULT_WINDOW,
-                   max_positions: int = DEFAULT_POSITIONS, only: str | None = None,
+def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "plugin",
+                   window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
+                   second_moment: torch.Tensor | None = None, only: str | None = None,
                    progress: bool = True) -> ModelReport:
-    """Evaluate every section of `grid_name` (rows whose label contains `only`, if given)."""
+    """Evaluate every section of `grid_name` (rows whose label contains `only`, if given) on
+    `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
+    when None, measured on the packaged calibration corpus as `calibrate` does by default."""
     path = resolve_model(model)
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
         started = time.perf_counter()
-        run = FidelityRun(path, text, window=window, max_positions=max_positions,
-                          degrid_table=degridded, progress=progress)
+        run = FidelityRun(path, domains, window=window, windows=windows,
+                          second_moment=second_moment, degrid_table=degridded, progress=progress)
         rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
         results = []
         for i, cand in enumerate(rows):
@@ -678,11 +856,17 @@ def evaluate_model(model: str, text: str, *, grid_name: str = "full", window: in
             report = ModelReport(model=model, path=str(path), rows=run.rows, cols=run.cols,
                                  tied=run.tied, sections=[])
         report.sections.append(Section(
-            title=title, results=results, positions=run.positions, windows=run.windows.shape[0],
-            window=run.windows.shape[1], importance_held_out=run.importance_held_out,
-            degridded=degridded, seconds=time.perf_counter() - started))
+            title=title, results=results, positions=run.positions,
+            domains={d: len(run.windows_of(d)) for d in run.domain_names}, window=window,
+            calibration_positions=run.calibration_positions, degridded=degridded,
+            seconds=time.perf_counter() - started))
         del run
     return report
+
+
+def _need_file(parser: argparse.ArgumentParser, path: Path | None, flag: str) -> None:
+    if path is not None and not path.is_file():
+        parser.exit(2, f"error: {flag} {path}: no such file\n")
 
 
 def main(argv: Sequence[str] | None = None,
@@ -693,30 +877,54 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--model", action="append", required=True,
                         help="a real model name (smollm2, gemma3-270m) or a checkpoint "
                         "directory; repeatable")
-    parser.add_argument("--corpus", type=Path, default=None,
-                        help="plain text (default: the packaged corpus)")
-    parser.add_argument("--grid", default="full", choices=tuple(SECTIONS))
+    parser.add_argument("--corpus", type=Path, action="append", default=None,
+                        help="plain text to measure on, one domain per file (repeatable; default: "
+                        "the packaged held-out code, technical prose and chat)")
+    parser.add_argument("--importance", type=Path, default=None,
+                        help="a calibration file from `vllm-embed-plugin calibrate` (default: "
+                        "measured here on the packaged calibration corpus, as calibrate does)")
+    parser.add_argument("--grid", default="plugin", choices=tuple(SECTIONS))
     parser.add_argument("--only", default=None, help="evaluate only rows whose label contains this")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    parser.add_argument("--positions", type=int, default=DEFAULT_POSITIONS)
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
+    parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                        help="windows spread over each domain's text")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    for path in args.corpus or ():
+        _need_file(parser, path, "--corpus")
+    _need_file(parser, args.importance, "--importance")
+    if len(args.model) > 1 and args.importance is not None:
+        parser.exit(2, "error: --importance FILE belongs to one model; give one --model\n")
 
     torch.set_num_threads(args.threads)
-    corpus = args.corpus or default_corpus()
-    text = corpus.read_text(encoding="utf-8")
+    if args.corpus:
+        domains = {path.stem: path.read_text(encoding="utf-8") for path in args.corpus}
+        shown = ", ".join(f"`{path}` ({len(text.split())} words)"
+                          for path, text in zip(args.corpus, domains.values()))
+    else:
+        domains = packaged_domains()
+        shown = ", ".join(f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
+                          for name, text in domains.items())
+    second_moment = None
+    if args.importance is not None:
+        try:
+            second_moment = importance.load_moment(args.importance)
+        except importance.ImportanceError as exc:
+            parser.exit(2, f"error: --importance {exc}\n")
+    calibration = (f"the calibration file `{args.importance}`" if args.importance is not None
+                   else "the packaged calibration corpus (`data/calibration.txt`), measured as "
+                   "`vllm-embed-plugin calibrate` measures it by default")
     command = " ".join([prog, shlex.join(argv)])
-    shown = "the packaged `data/corpus.txt`" if args.corpus is None else f"`{args.corpus}`"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     reports = []
     for model in args.model:
-        reports.append(evaluate_model(model, text, grid_name=args.grid, window=args.window,
-                                      max_positions=args.positions, only=args.only,
-                                      progress=not args.no_progress))
+        reports.append(evaluate_model(model, domains, grid_name=args.grid, window=args.window,
+                                      windows=args.windows, second_moment=second_moment,
+                                      only=args.only, progress=not args.no_progress))
         # Written after every model, so a long run keeps what it has measured.
-        md = render_markdown(reports, command=command, corpus=f"{shown}, {len(text.split())} words")
+        md = render_markdown(reports, command=command, corpus=shown, calibration=calibration)
         args.out.write_text(md, encoding="utf-8")
         print(f"wrote {args.out} ({len(reports)}/{len(args.model)} models)", file=sys.stderr)
     return 0

@@ -47,15 +47,30 @@ class ColumnImportance:
 
     `weights` (M's diagonal) steer the scale search. With `inverse_factor` the codes of each
     row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
-    columns after it, so it cancels in the logits instead of adding up."""
+    columns after it, so it cancels in the logits instead of adding up.
+
+    With `lookup_only` (an untied table) the importance is not used at all: the format
+    quantizes by its plain rule, exactly as without a file. M weighs what an error costs in the
+    LM head's input; an input-only table's errors reach the model through its first layer
+    instead, where M's massive-activation columns are not what matters. A search against M,
+    even one that keeps the plain fit in every group where it would leave more unweighted error,
+    raised the input-only KL divergence of some formats on some text (Gemma 3 int6 +46% on
+    held-out code, prose and chat; docs/CALIBRATION.md), and a file must never make an untied
+    table worse."""
 
     #: [cols] positive: the cost of a squared error in each column.
     weights: torch.Tensor
     #: [cols, cols] upper Cholesky factor of (M + damping)^-1, or None for per-column weights only.
     inverse_factor: torch.Tensor | None = None
+    #: An untied table: quantize by the plain rule, as without an importance.
+    lookup_only: bool = False
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
+    #: A tied table's M is first mixed with mean(diag M) * I by this share: M measured on one
+    #: corpus describes other text only in part, and the shrunk M generalises better (lower
+    #: tied KLD on held-out code, prose and chat than M as measured; docs/FIDELITY.md).
+    SHRINK = 0.1
 
     def __post_init__(self) -> None:
         # Checked once here, not on every chunk a format quantizes.
@@ -65,9 +80,11 @@ class ColumnImportance:
     @classmethod
     def from_second_moment(cls, moment: torch.Tensor, joint: bool) -> ColumnImportance:
         moment = moment.double()
-        weights = moment.diagonal().clamp_min(1e-12).float()
         if not joint:
-            return cls(weights)
+            # Without joint rounding the table is untied (lookup only): see the class doc.
+            return cls(moment.diagonal().clamp_min(1e-12).float(), lookup_only=True)
+        moment = shrink(moment, cls.SHRINK)
+        weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
             moment.shape[0], dtype=moment.dtype, device=moment.device)
         inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
@@ -75,7 +92,13 @@ class ColumnImportance:
 
     def to(self, device) -> ColumnImportance:
         factor = None if self.inverse_factor is None else self.inverse_factor.to(device)
-        return ColumnImportance(self.weights.to(device), factor)
+        return ColumnImportance(self.weights.to(device), factor, self.lookup_only)
+
+
+def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
+    """(1 - amount) * M + amount * mean(diag M) * I."""
+    eye = torch.eye(moment.shape[0], dtype=moment.dtype, device=moment.device)
+    return (1 - amount) * moment + amount * moment.diagonal().mean() * eye
 
 
 class TableFormat(ABC):

@@ -10,11 +10,13 @@ Scale choice follows llama.cpp's quantizers: try a few candidate scales per grou
 solve least squares for the scale (and minimum) that best fits those rounded codes, and keep
 the candidate with the smallest squared error. Given a column importance, that error is
 weighted per column, and with its inverse factor the codes of a row are chosen jointly (GPTQ,
-`_fit_jointly`), for a table that is also a tied LM head.
+`_fit_jointly`), for a table that is also a tied LM head. An untied table's importance
+(`lookup_only`) leaves the plain rule in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -80,6 +82,9 @@ class IntFormat(TableFormat):
         """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
         (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
         choice (GPTQ). None weighs every column alike and rounds each value to its nearest level."""
+        if importance is not None and importance.lookup_only:
+            # An untied table: the importance describes another use (ColumnImportance).
+            return dataclasses.replace(self, search=0).quantize(rows)
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
