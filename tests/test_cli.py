@@ -62,7 +62,6 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
     import vllm
 
     monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
-<<<<<<< HEAD
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert f"vllm: {vllm.__version__} (distribution vllm" in out
@@ -76,13 +75,6 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
     assert "vLLM 0.99.0 is newer than the newest release the plugin was tested on" in out
     assert "VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive" in out
     assert "VLLM_PLUGINS='other' does not name 'embed': vLLM will not load this plugin" in out
-=======
-    monkeypatch.setattr(vllm, "__version__", "0.40.1")
-    monkeypatch.setattr(custom_op, "op_registry_oot", {})
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
-    assert custom_op.op_registry_oot == {}
-    assert "supports vLLM 0.32 and 0.33, not 0.40.1" in caplog.text
 
 
 def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
@@ -101,4 +93,3 @@ def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
         main(["eval", "--model", "smollm2", "--corpus", str(missing)])
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"error: --corpus {missing}: no such file\n"
->>>>>>> issue-15

@@ -120,18 +120,25 @@ def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) 
 
 
 def _importance(decision, name: str, cols: int, where: str, tied: bool):
-    """The column importance (`importance.py`), if one is set and the format uses it. A tied
-    table also serves as the LM head, whose input the importance measures, so its rows are
-    rounded jointly against it; an untied table only gets the weighted scale search."""
+    """The column importance (`importance.py`), if one is set and the format uses it. It
+    measures the LM head's input, so only a tied table uses it: its scales are searched and
+    its rows rounded jointly against it. An untied table is converted exactly as without a
+    file (a search for the head's columns measured worse for the lookup, docs/CALIBRATION.md),
+    but the file is still checked, so one from another model stops startup either way."""
     if decision.importance is None:
         return None
     if not isinstance(make_format(name), IntFormat):
         log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
         return None
     try:
-        return importance.load(decision.importance, cols, joint=tied)
+        loaded = importance.load(decision.importance, cols, joint=tied)
     except importance.ImportanceError as exc:
         raise EmbedSettingsError(f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}") from None
+    if not tied:
+        log_once(f"{where}: untied, so the importance file is checked but not used (it describes "
+                 "the LM head's input, not the lookup)")
+        return None
+    return loaded
 
 
 def _tied_fallback(decision, where: str) -> str:
