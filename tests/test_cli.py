@@ -93,3 +93,28 @@ def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
         main(["eval", "--model", "smollm2", "--corpus", str(missing)])
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"error: --corpus {missing}: no such file\n"
+
+
+def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
+    from vllm_embed_plugin.cli import main
+
+    missing = tmp_path / "no-model"
+    assert main(["plan", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {missing}: no config.json (give a model directory or a config.json)\n"
+
+
+def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
+    import json
+
+    from vllm_embed_plugin.cli import main
+
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2,
+              "vocab_size": 8192, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    per_token = {}
+    for dtype in ("auto", "fp8_e4m3"):
+        assert main(["plan", str(tmp_path), "--kv-cache-dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        per_token[dtype] = int(out.split("KV cache: ")[1].split(" bytes")[0])
+    assert per_token == {"auto": 2 * 2 * 2 * 64 * 2, "fp8_e4m3": 2 * 2 * 2 * 64 * 1}

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from .plan import KV_CACHE_DTYPES
+
 GiB = 1 << 30
 
 
@@ -63,7 +65,11 @@ def _installation(settings) -> list[str]:
 def cmd_plan(args) -> int:
     from .plan import load_config, plan
 
-    config = load_config(args.model)
+    try:
+        config = load_config(args.model)
+    except (OSError, ValueError) as exc:  # a missing path, or a config.json that is not JSON
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     info, rows = plan(config, args.max_model_len, args.tensor_parallel_size, args.kv_cache_dtype)
     layout = info["layout"]
     print(f"model: {args.model}")
@@ -109,7 +115,8 @@ def cmd_calibrate(args) -> int:
         print(f"error: --corpus {corpus}: no such file", file=sys.stderr)
         return 2
     path = resolve_model(args.model)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     window = args.window or importance.DEFAULT_WINDOW
     positions = args.positions or importance.DEFAULT_POSITIONS
     moment, meta = importance.measure(path, corpus.read_text(encoding="utf-8"), window=window,
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpu-memory-gib", type=float, default=24.0)
     plan.add_argument("--max-model-len", type=int, default=8192)
     plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    plan.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "fp8"], default=None)
+    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                      help="as vLLM's --kv-cache-dtype ('auto': the model's dtype)")
     plan.set_defaults(func=cmd_plan)
 
     evaluate = sub.add_parser("eval", help="fidelity report (KL divergence vs BF16) on a real model", add_help=False)
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
     calibrate.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    calibrate.add_argument("--threads", type=int, default=2)
+    calibrate.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     calibrate.set_defaults(func=cmd_calibrate)
 
     prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")

@@ -888,7 +888,7 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
     parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                         help="windows spread over each domain's text")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -898,7 +898,8 @@ def main(argv: Sequence[str] | None = None,
     if len(args.model) > 1 and args.importance is not None:
         parser.exit(2, "error: --importance FILE belongs to one model; give one --model\n")
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.corpus:
         domains = {path.stem: path.read_text(encoding="utf-8") for path in args.corpus}
         shown = ", ".join(f"`{path}` ({len(text.split())} words)"

@@ -13,7 +13,9 @@ from pathlib import Path
 from .formats import FORMATS, make_format
 
 GiB = 1 << 30
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+#: `--kv-cache-dtype` values, by vLLM's names ("auto": the model's dtype).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def load_config(model: str | Path) -> dict:
@@ -47,6 +49,8 @@ class KvLayout:
 def kv_layout(config: dict, kv_dtype: str | None = None) -> KvLayout:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if kv_dtype in (None, "auto"):
+        kv_dtype = None
     dtype = kv_dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     layer_types = config.get("layer_types") or []
     return KvLayout(
