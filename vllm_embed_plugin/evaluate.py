@@ -661,8 +661,8 @@ minimums and side tables included. Within a class, rows are sorted by tied KLD.
 
 _GRIDDED_NOTE = """- Both real tables were published as Q8_0 on aligned 32-column blocks: aligned Q8_0, and any
   int8 on aligned 32-column groups, reproduce them almost exactly. Rows *shifted {shift}* move the
-  group grid by {shift} columns: the honest 8.5-bit comparison the task names. It is not fully
-  honest either: a shifted block that holds an old block's largest value gets that block's step
+  group grid by {shift} columns: the fair 8.5-bit reference. It is not fully
+  fair either: a shifted block that holds an old block's largest value gets that block's step
   back and reproduces half its values; that favours shifted Q8_0 and shifted int8 g32 alike."""
 
 _OUTLIER_NOTE = """- *outlier rows*: an experiment, not a storage format of the plugin: the share of rows with the
