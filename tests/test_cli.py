@@ -118,3 +118,23 @@ def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
         out = capsys.readouterr().out
         per_token[dtype] = int(out.split("KV cache: ")[1].split(" bytes")[0])
     assert per_token == {"auto": 2 * 2 * 2 * 64 * 2, "fp8_e4m3": 2 * 2 * 2 * 64 * 1}
+
+
+def test_demo_quality_figures_from_top_k_logprobs():
+    import math
+
+    from vllm_embed_plugin.demo import recommendation
+    from vllm_embed_plugin.probe import compare_scores
+
+    ref = [[[1, math.log(0.7)], [2, math.log(0.2)]], [[5, math.log(0.9)], [6, math.log(0.05)]]]
+    same = compare_scores(ref, ref)
+    assert same == {"positions": 2, "top1_agreement": 1.0, "mean_kl": 0.0}
+    # Position 2's top token changes: agreement halves and the KL is the coarse KL there.
+    other = [ref[0], [[6, math.log(0.6)], [5, math.log(0.3)]]]
+    moved = compare_scores(ref, other)
+    expected = 0.9 * math.log(0.9 / 0.3) + 0.05 * math.log(0.05 / 0.6) + 0.05 * math.log(0.05 / 0.1)
+    assert moved["top1_agreement"] == 0.5
+    assert math.isclose(moved["mean_kl"], expected / 2)
+    assert "use it" in recommendation("int8", same, tied=True)
+    assert "calibration file" in recommendation("int4", moved, tied=True)
+    assert "GROUP_SIZE=32" in recommendation("int4", moved, tied=False)

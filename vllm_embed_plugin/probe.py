@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--score", action="append", default=[],
+                        help="a text file: report vLLM's top-k prompt logprobs at every position of "
+                        "its first windows (repeatable; needs a tokenizer)")
     parser.add_argument("--compile", action="store_true",
                         help="vLLM's torch.compile (and its compile cache) instead of eager mode")
     args = parser.parse_args()
@@ -44,7 +47,7 @@ def main() -> None:
         extra["speculative_config"] = {"model": args.draft, "method": "draft_model", "num_speculative_tokens": 2}
     llm = LLM(
         model=args.model,
-        skip_tokenizer_init=not (args.chat or args.text),
+        skip_tokenizer_init=not (args.chat or args.text or args.score),
         dtype="bfloat16",
         gpu_memory_utilization=0.25,
         max_model_len=args.max_model_len,
@@ -73,8 +76,57 @@ def main() -> None:
         "top5": [[sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs] for o in outputs],
         "workers": llm.collective_rpc(worker_report),
         "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+        "scored": [position for path in args.score for position in score_text(llm, path, args.max_model_len)],
     }
     Path(args.out).write_text(json.dumps(result))
+
+
+#: Logprobs kept per position by `--score`, windows per file, and tokens per window.
+SCORE_TOP_K, SCORE_WINDOWS = 20, 3
+
+
+def score_text(llm, path: str, max_model_len: int) -> list[list[list]]:
+    """For every position of the first SCORE_WINDOWS windows of `path`: vLLM's top
+    SCORE_TOP_K [token id, logprob] pairs for the next token, most likely first."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = llm.get_tokenizer().encode(Path(path).read_text())
+    width = min(256, max_model_len - 1)
+    windows = [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)][:SCORE_WINDOWS]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=SCORE_TOP_K, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
+    positions = []
+    for output in outputs:
+        for step in output.prompt_logprobs[1:]:  # the first token has no prediction
+            top = sorted(step.items(), key=lambda item: item[1].rank)[:SCORE_TOP_K]
+            positions.append([[token, entry.logprob] for token, entry in top])
+    return positions
+
+
+def compare_scores(reference: list, candidate: list) -> dict:
+    """Agreement of the most likely next token, and the mean KL(reference || candidate)
+    estimated from the top-k logprobs alone: the reference's top k tokens, each scored by the
+    candidate (a token missing from the candidate's top k gets its k-th logprob, the most it
+    can have), plus one bucket for the rest of the probability."""
+    import math
+
+    agree, kl = 0, 0.0
+    for ref, got in zip(reference, candidate):
+        agree += ref[0][0] == got[0][0]
+        got_lp = dict((token, lp) for token, lp in got)
+        floor = got[-1][1]
+        p_top = q_top = total = 0.0
+        for token, lp in ref:
+            q = got_lp.get(token, floor)
+            p = math.exp(lp)
+            total += p * (lp - q)
+            p_top += p
+            q_top += math.exp(q)
+        rest_p, rest_q = max(1.0 - p_top, 1e-12), max(1.0 - q_top, 1e-12)
+        kl += max(0.0, total + rest_p * math.log(rest_p / rest_q))
+    n = max(1, min(len(reference), len(candidate)))
+    return {"positions": n, "top1_agreement": agree / n, "mean_kl": kl / n}
 
 
 @dataclass
