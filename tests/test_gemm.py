@@ -1,5 +1,6 @@
 """The tied-head GEMM's kernels (`kernels/triton_linear.py`): every kind (CUDA-core GEMV,
-tensor-core tiles, dequantize-and-cuBLAS, the generic fallback) against the reference, in
+word kernels on CUDA cores for several rows, word tiles on
+tensor cores, the generic tiles, dequantize-and-cuBLAS, the generic fallback) against the reference, in
 Triton's interpreter on the CPU and on a GPU (skipped without CUDA); the same inputs give the
 same bits every call."""
 
@@ -40,6 +41,12 @@ KINDS = [
     dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=1, num_stages=1, XPERM=True),
     dict(KIND="mma", BM=16, BN=32, T=16, num_warps=1, num_stages=1, XPERM=True),
     dict(KIND="tiles"),
+    dict(KIND="rows", BM=4, BN=16, T=4, num_warps=1, num_stages=1, XPERM=True),
+    dict(KIND="rows", BM=8, BN=16, T=2, num_warps=1, num_stages=1, SPLIT_K=3),
+    dict(KIND="wdot", BM=16, BN=16, T=8, num_warps=1, num_stages=1),
+    dict(KIND="wdot", BM=16, BN=16, T=4, num_warps=1, num_stages=1, SPLIT_K=2),
+    dict(KIND="wdot", BM=16, BN=16, T=8, num_warps=1, num_stages=1, GPOST=True),
+    dict(KIND="wdot", BM=16, BN=16, T=8, num_warps=1, num_stages=1, SWAP=False),
 ]
 
 
@@ -60,7 +67,7 @@ INTERPRETER_CHECK = textwrap.dedent(
         for fmt in VARIANTS:
             t = quantize_table(w, fmt)
             wd = fmt.dequantize(t, cols, torch.float16).float()
-            for m, cfg in zip((1, 3, 2, 5, 20, 7, 4, 6, 9), KINDS):
+            for m, cfg in zip((1, 3, 1, 5, 20, 7, 4, 6, 9, 3, 11, 17, 5, 6, 2), KINDS):
                 x = torch.randn(m, cols).half()  # fp16: the interpreter's bf16 dot is not exact
                 ref = x.float() @ wd.T
                 out = triton_linear.linear(fmt, t, x, cols, config=cfg)

@@ -330,8 +330,19 @@ def _level(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def _load_words(wp, U: tl.constexpr, mask):
-    w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
+def _load_word(p, mask, EVEN: tl.constexpr):
+    if EVEN:  # no mask: a masked load is split into 4-byte loads
+        w = tl.load(p)
+    else:
+        w = tl.load(p, mask=mask, other=0)
+    return w.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_words(wp, U: tl.constexpr, mask, EVEN: tl.constexpr = False):
+    """The U words of every block; EVEN: the tile is inside the row, so no mask (rows
+    beyond the table read row 0 and are not stored)."""
+    w0 = _load_word(wp, mask, EVEN)
     w1 = w0
     w2 = w0
     w3 = w0
@@ -339,17 +350,17 @@ def _load_words(wp, U: tl.constexpr, mask):
     w5 = w0
     w6 = w0
     if U > 1:
-        w1 = tl.load(wp + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w1 = _load_word(wp + 1, mask, EVEN)
     if U > 2:
-        w2 = tl.load(wp + 2, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w2 = _load_word(wp + 2, mask, EVEN)
     if U > 3:
-        w3 = tl.load(wp + 3, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w3 = _load_word(wp + 3, mask, EVEN)
     if U > 4:
-        w4 = tl.load(wp + 4, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w4 = _load_word(wp + 4, mask, EVEN)
     if U > 5:
-        w5 = tl.load(wp + 5, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w5 = _load_word(wp + 5, mask, EVEN)
     if U > 6:
-        w6 = tl.load(wp + 6, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w6 = _load_word(wp + 6, mask, EVEN)
     return w0, w1, w2, w3, w4, w5, w6
 
 
@@ -403,7 +414,7 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
             tmask = t < k_end
             wmask = tmask[None, :] & (rn_safe >= 0)[:, None]
         wp = words_ptr + rn_safe[:, None] * word_stride + (t * U)[None, :]
-        w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask)
+        w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask, EVEN)
         if GROUP != 0:
             if SB:
                 NG: tl.constexpr = (T * P) // GROUP
@@ -452,11 +463,17 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                         lev = lev * sblk
                         if HAS_MIN:
                             lev = lev + mblk
-                xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :],
-                             mask=mmask[:, None] & tmask[None, :], other=0)
+                if EVEN:
+                    xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :], mask=mmask[:, None], other=0)
+                else:
+                    xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :],
+                                 mask=mmask[:, None] & tmask[None, :], other=0)
                 acc = tl.dot(lev.to(xdt), tl.trans(xt), acc)
             else:
-                x0 = tl.load(x_ptr + xcol, mask=tmask, other=0).to(tl.float32)
+                if EVEN:
+                    x0 = tl.load(x_ptr + xcol).to(tl.float32)
+                else:
+                    x0 = tl.load(x_ptr + xcol, mask=tmask, other=0).to(tl.float32)
                 p0 += lev * x0[None, :]
                 xs0 += x0
                 if BM > 1:
@@ -524,6 +541,298 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
             else:
                 tl.store(optr + 2 * stride_om, r2.to(odt), mask=nmask & (rn * 0 + M > 2))
                 tl.store(optr + 3 * stride_om, r3.to(odt), mask=nmask & (rn * 0 + M > 3))
+
+
+# -- packed words on tensor cores, one dot per tile ("wdot") ---------------------------------
+#
+# The P pieces of a tile of T blocks are put back into column order with a tree of joins
+# (`_nP`: leaves in bit-reversed order, as in the lookup), so one tile is one [BN, T * P]
+# operand and one dot with x's matching [BM, T * P] columns (no permutation of x, no dot per
+# piece). Each weight is decoded once for all BM rows of x.
+
+
+@triton.jit
+def _n2(p0, p1):
+    return tl.join(p0, p1)
+
+
+@triton.jit
+def _n4(p0, p1, p2, p3):
+    e = _n2(p0, p2)
+    o = _n2(p1, p3)
+    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 4])
+
+
+@triton.jit
+def _n8(p0, p1, p2, p3, p4, p5, p6, p7):
+    e = _n4(p0, p2, p4, p6)
+    o = _n4(p1, p3, p5, p7)
+    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 8])
+
+
+@triton.jit
+def _n16(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
+    e = _n8(p0, p2, p4, p6, p8, p10, p12, p14)
+    o = _n8(p1, p3, p5, p7, p9, p11, p13, p15)
+    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 16])
+
+
+@triton.jit
+def _n32(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, p16, p17, p18, p19, p20, p21, p22, p23, p24, p25, p26, p27, p28, p29, p30, p31):
+    e = _n16(p0, p2, p4, p6, p8, p10, p12, p14, p16, p18, p20, p22, p24, p26, p28, p30)
+    o = _n16(p1, p3, p5, p7, p9, p11, p13, p15, p17, p19, p21, p23, p25, p27, p29, p31)
+    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 32])
+
+
+@triton.jit
+def _wpiece(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr,
+            FP8: tl.constexpr, PRE: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+            sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr,
+            DT: tl.constexpr):
+    """Piece J of every block [BN, T], dequantized (PRE) or as levels, in DT."""
+    lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, True)
+    if not BLOCK_SCALE:  # the block spans groups: this piece's own scales
+        soff = soff0 + ((t * P + J) // GROUP)[None, :]
+        lev = lev * tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+        if HAS_MIN:
+            lev = lev + tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+    elif PRE:
+        lev = lev * sblk
+        if HAS_MIN:
+            lev = lev + mblk
+    return lev.to(DT)
+
+
+@triton.jit
+def _wtile(w0, w1, w2, w3, w4, w5, w6, BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+           PRE: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr, sblk, mblk, soff0, t,
+           scales_ptr, mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+    """The tile [BN, T * P] in column order."""
+    if P == 4:
+        v = _n4(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
+    elif P == 8:
+        v = _n8(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
+    elif P == 16:
+        v = _n16(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
+    else:
+        v = _n32(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 16, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 17, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 18, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 19, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 20, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 21, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 22, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 23, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 24, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 25, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 26, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 27, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 28, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 29, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 30, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 31, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
+    return tl.reshape(v, [v.shape[0], v.shape[1] * P])
+
+
+@triton.jit
+def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                 stride_split,
+                 BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, BITS: tl.constexpr,
+                 U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
+                 FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN: tl.constexpr, SB: tl.constexpr, SWAP: tl.constexpr,
+                 GPOST: tl.constexpr = False):
+    """logits[rm, rn] for BN rows of W against up to BM rows of x (masked rows are zeros):
+    per tile of T blocks, the words are decoded once into a [BN, T * P] tile in column order
+    (scaled and rounded to x's dtype as the reference does, or raw levels with one scale per
+    row applied after the dot) and multiplied on tensor cores with x's [BM, T * P] columns.
+    GPOST (SWAP, whole groups of >= 16 columns per tile): one dot per group on the raw levels,
+    its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
+    mmask = rm < M
+    xdt = x_ptr.dtype.element_ty
+    K: tl.constexpr = T * P
+    BLOCK_SCALE: tl.constexpr = GROUP == 0 or GROUP % P == 0
+    PRE: tl.constexpr = not (GROUP == 0 and not HAS_MIN)  # else: the row scale after the dot
+    soff0 = rn_safe[:, None] * scale_stride
+    srow = tl.zeros([BN, 1], dtype=tl.float32)
+    mrow = srow
+    if GROUP == 0:
+        srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+        if HAS_MIN:
+            mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+    if SWAP:  # W on the left: [BN, K] @ [K, BM]
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_begin = pid_k * blk_per_split
+    k_end = tl.minimum(k_begin + blk_per_split, nblk)
+    for kt in range(k_begin, k_end, T):
+        if GPOST:
+            TG: tl.constexpr = GROUP // P
+            for g in tl.static_range(K // GROUP):
+                tg = kt + g * TG + tl.arange(0, TG)
+                kg = (kt + g * TG) * P + tl.arange(0, GROUP)
+                if EVEN:
+                    gmask = (tg >= 0)[None, :] & (rn_safe >= 0)[:, None]
+                    xgmask = mmask[:, None]
+                else:
+                    gmask = (tg < k_end)[None, :] & (rn_safe >= 0)[:, None]
+                    xgmask = mmask[:, None] & (kg < k_end * P)[None, :]
+                wpg = words_ptr + rn_safe[:, None] * word_stride + (tg * U)[None, :]
+                g0, g1, g2, g3, g4, g5, g6 = _load_words(wpg, U, gmask, EVEN)
+                lev = _wtile(g0, g1, g2, g3, g4, g5, g6, BITS, SIGNED, FP8, False, HAS_MIN, True,
+                             srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP, xdt)
+                xg = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0)
+                smask = (rn_safe[:, None] * 0 + (kt + g * TG)) < k_end  # [BN, 1]
+                sp = scales_ptr + soff0 + (kt * P) // GROUP + g
+                acc += tl.dot(lev, tl.trans(xg)) * tl.load(sp, mask=smask, other=0).to(tl.float32)
+                if HAS_MIN:
+                    mp = mins_ptr + soff0 + (kt * P) // GROUP + g
+                    xsum = tl.reshape(tl.sum(xg.to(tl.float32), axis=1), [1, BM])
+                    acc += tl.load(mp, mask=smask, other=0).to(tl.float32) * xsum
+        else:
+            t = kt + tl.arange(0, T)
+            kk = kt * P + tl.arange(0, K)
+            if EVEN:
+                wmask = (t >= 0)[None, :] & (rn_safe >= 0)[:, None]
+                xmask = mmask[:, None]  # constant along the row: the loads stay vectors
+            else:
+                wmask = (t < k_end)[None, :] & (rn_safe >= 0)[:, None]
+                xmask = mmask[:, None] & (kk < k_end * P)[None, :]
+            wp = words_ptr + rn_safe[:, None] * word_stride + (t * U)[None, :]
+            w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask, EVEN)
+            sblk = srow  # one scale per row, or the per-piece scales (not BLOCK_SCALE)
+            mblk = mrow
+            if GROUP != 0 and BLOCK_SCALE:
+                if SB:  # whole groups per tile: one load per group, broadcast over its blocks
+                    NG: tl.constexpr = K // GROUP
+                    gi = (kt * P) // GROUP + tl.arange(0, NG)
+                    sg = tl.load(scales_ptr + soff0 + gi[None, :]).to(tl.float32)
+                    sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+                    if HAS_MIN:
+                        mg = tl.load(mins_ptr + soff0 + gi[None, :]).to(tl.float32)
+                        mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+                else:
+                    soff = soff0 + ((t * P) // GROUP)[None, :]
+                    sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+                    if HAS_MIN:
+                        mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+            w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk,
+                       mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
+            xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(xt), acc)
+            else:
+                acc = tl.dot(xt, tl.trans(w), acc)
+    if SWAP:
+        if not PRE:
+            acc = acc * srow
+        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        omask = mmask[None, :] & nmask[:, None]
+    else:
+        if not PRE:
+            acc = acc * tl.reshape(srow, [1, BN])
+        optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        tl.store(optr + pid_k.to(tl.int64) * stride_split, acc, mask=omask)
+    else:
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# -- packed words on CUDA cores, several rows of x per launch ("rows") -----------------------
+
+
+@triton.jit
+def _rows_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                 stride_split,
+                 BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, BITS: tl.constexpr,
+                 U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
+                 FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN: tl.constexpr, SB: tl.constexpr, XPERM: tl.constexpr):
+    """The CUDA-core word GEMV for BM rows of x at once: every weight is decoded once and
+    multiplied with all BM rows ([BM, BN, T] float32 partial sums); the block's scale (and
+    minimum times the block's sum of x) applied once per block and row."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
+    mmask = rm < M
+    BLOCK_SCALE: tl.constexpr = GROUP == 0 or GROUP % P == 0
+    ROWPOST: tl.constexpr = GROUP == 0 and not HAS_MIN
+    soff0 = rn_safe[:, None] * scale_stride
+    srow = tl.zeros([BN, 1], dtype=tl.float32)
+    mrow = srow
+    if GROUP == 0:
+        srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+        if HAS_MIN:
+            mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+    acc = tl.zeros([BM, BN, T], dtype=tl.float32)
+    k_begin = pid_k * blk_per_split
+    k_end = tl.minimum(k_begin + blk_per_split, nblk)
+    for kt in range(k_begin, k_end, T):
+        t = kt + tl.arange(0, T)
+        if EVEN:
+            wmask = (t >= 0)[None, :] & (rn_safe >= 0)[:, None]
+            tmask = t >= 0
+        else:
+            tmask = t < k_end
+            wmask = tmask[None, :] & (rn_safe >= 0)[:, None]
+        wp = words_ptr + rn_safe[:, None] * word_stride + (t * U)[None, :]
+        w0, w1, w2, w3, w4, w5, w6 = _load_words(wp, U, wmask, EVEN)
+        sblk = srow  # one scale per row, or the per-piece scales (not BLOCK_SCALE)
+        mblk = mrow
+        if GROUP != 0 and BLOCK_SCALE:
+            if SB:
+                NG: tl.constexpr = (T * P) // GROUP
+                gi = (kt * P) // GROUP + tl.arange(0, NG)
+                sg = tl.load(scales_ptr + soff0 + gi[None, :]).to(tl.float32)
+                sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+                if HAS_MIN:
+                    mg = tl.load(mins_ptr + soff0 + gi[None, :]).to(tl.float32)
+                    mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
+            else:
+                soff = soff0 + ((t * P) // GROUP)[None, :]
+                sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+                if HAS_MIN:
+                    mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+        if ROWPOST:
+            p = acc
+        else:
+            p = tl.zeros([BM, BN, T], dtype=tl.float32)
+        xs = tl.zeros([BM, T], dtype=tl.float32)
+        for J in tl.static_range(P):
+            lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, True)
+            if XPERM:
+                xcol = J * nblk + t
+            else:
+                xcol = t * P + J
+            if not BLOCK_SCALE:
+                soff = soff0 + ((t * P + J) // GROUP)[None, :]
+                lev = lev * tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
+                if HAS_MIN:
+                    lev = lev + tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
+            if EVEN:
+                xv = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
+                             mask=mmask[:, None], other=0).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
+                             mask=mmask[:, None] & tmask[None, :], other=0).to(tl.float32)
+            p += lev[None, :, :] * xv[:, None, :]
+            if HAS_MIN and BLOCK_SCALE:
+                xs += xv
+        if ROWPOST:
+            acc = p
+        elif BLOCK_SCALE:
+            acc += p * sblk[None, :, :]
+            if HAS_MIN:
+                acc += mblk[None, :, :] * xs[:, None, :]
+        else:
+            acc += p
+    r = tl.sum(acc, axis=2)
+    if ROWPOST:
+        r = r * tl.reshape(srow, [1, BN])
+    optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        tl.store(optr + pid_k.to(tl.int64) * stride_split, r, mask=omask)
+    else:
+        tl.store(optr, r.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 # -- large M: dequantize bounded row chunks, multiply with cuBLAS --------------------------
@@ -656,9 +965,10 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
 def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> dict:
     """The kernel and its shape for m rows of x: the fastest of the candidates that
     `bench/bench_gemm.py --sweep` timed on an H200 (tables 262144 x 2560 and 151936 x 4096,
-    docs/BENCHMARKS.md). KIND: 'gemv' (word kernel on CUDA cores), 'mma' (word kernel on
-    tensor cores, x padded to BM rows), 'tiles' (the generic tile kernels), 'cublas'
-    (dequantize CHUNK_BYTES of rows at a time, multiply with cuBLAS)."""
+    docs/BENCHMARKS.md). KIND: 'gemv' (word kernel on CUDA cores, one row of x), 'wdot'
+    (word tiles in column order, one tensor-core dot per tile, x's rows masked up to BM),
+    'tiles' (the generic tile kernels), 'cublas' (dequantize CHUNK_BYTES of rows at a time,
+    multiply with cuBLAS). 'rows' and 'mma' are kept as options the sweep compares."""
     u, p = _block_shape(bits)
     if m == 1:
         if bits == 4 or (bits == 8 and not fp8 and cols >= 4096):
@@ -667,30 +977,49 @@ def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> di
         return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1,
                     XPERM=bits in (4, 8))
     if m <= 16:
-        if bits == 5:
-            return dict(KIND="mma", BM=16, BN=64 if m <= 4 else 128, T=16, num_warps=4,
-                        num_stages=1, XPERM=True)
+        if fp8:  # no per-weight scale: 0.65-0.67x against 0.76-0.80x for 'tiles'
+            return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=3)
+        if bits == 5:  # 1.68-1.76x against 1.81-2.07x for one dot per piece
+            return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=1)
         return dict(KIND="tiles")
     if m <= 64:
-        return dict(KIND="tiles") if bits in (4, 8) else dict(KIND="cublas", CHUNK_BYTES=96 << 20)
-    if m <= 256 and bits == 4:
+        if bits == 8 and not fp8:
+            return dict(KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=3, SWAP=False)
+        if bits in (5, 6):  # 1.95x / 2.42x against 2.96x / 2.80x for cuBLAS
+            return dict(KIND="wdot", BM=64, BN=64 if bits == 5 else 128, T=128 // p, num_warps=4,
+                        num_stages=1)
+        return dict(KIND="tiles")
+    if m <= 256 and (bits == 4 or fp8):
         return dict(KIND="tiles")
     return dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=m <= 1024)
 
 
+def _pow2_ceil(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
 def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
                   out: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The word kernels, one launch for all rows of x: 'gemv' (M = 1; more rows go to
+    'rows'), 'rows' (CUDA cores, BM rows of x per program), 'wdot' (one dot per tile on
+    tensor cores), 'mma' (one dot per piece)."""
     m, n = x2.shape[0], table.num_rows
     u, p = _block_shape(spec.bits)
-    mma = cfg["KIND"] == "mma"
+    kind = cfg["KIND"]
+    if kind == "gemv" and m > 1:
+        kind = "rows"
+        cfg = dict(cfg, BM=min(4, _pow2_ceil(m)))
     bm, bn, t = cfg["BM"], cfg["BN"], cfg["T"]
-    if not mma:
-        bm = 1 if m == 1 else (2 if m == 2 else 4)
+    if kind == "rows":
+        bm = min(bm, _pow2_ceil(m))
+    if kind == "gemv":
+        bm = 1
     nblk = cols // p
     grid_n = triton.cdiv(n, bn)
+    grid_m = triton.cdiv(m, bm) if kind != "mma" else 1
     split = cfg.get("SPLIT_K") or 1
-    if "SPLIT_K" not in cfg and grid_n < 2 * _num_sms(x2.device):
-        split = max(1, min(triton.cdiv(nblk, t), (4 * _num_sms(x2.device)) // grid_n))
+    if "SPLIT_K" not in cfg and grid_n * grid_m < 2 * _num_sms(x2.device):
+        split = max(1, min(triton.cdiv(nblk, t), (4 * _num_sms(x2.device)) // (grid_n * grid_m)))
     per_split = triton.cdiv(triton.cdiv(nblk, split), t) * t
     split = triton.cdiv(nblk, per_split)
     scales = table.scales
@@ -699,11 +1028,28 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
     g = spec.group
     sb = (cfg.get("SB", True) and even and g != 0 and g % p == 0 and (t * p) % g == 0
           and ((t * p) // g) & ((t * p) // g - 1) == 0)
-    xperm = cfg.get("XPERM", False)
+    xperm = cfg.get("XPERM", False) and kind != "wdot"
     if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
         xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
-        x2 = xp if mma else xp.float()
-    for start in range(0, m, bm):  # rows of x beyond one tile: one launch per tile of rows
+        x2 = xp if kind == "mma" else xp.float()
+    common = dict(BITS=spec.bits, U=u, P=p, GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8,
+                  HAS_MIN=spec.has_min, SPLIT=split > 1, EVEN=even, SB=sb,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if kind in ("rows", "wdot"):
+        dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+        args = (x2, words, scales, mins, dest, m, n, nblk, per_split, x2.stride(0), words.stride(0),
+                scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0)
+        if kind == "rows":
+            _rows_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, XPERM=xperm, **common)
+        else:
+            swap = cfg.get("SWAP", True)
+            gpost = bool(cfg.get("GPOST") and swap and g >= 16 and g % p == 0 and (t * p) % g == 0)
+            _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap, GPOST=gpost, **common)
+        if split > 1:
+            out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
+        return out
+    mma = kind == "mma"
+    for start in range(0, m, bm):  # 'mma' beyond BM rows: one launch per tile of rows
         xs, os_ = x2[start:start + bm], out[start:start + bm]
         rows = xs.shape[0]
         dest = os_ if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x2.device)
@@ -711,15 +1057,14 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
             xs, words, scales, mins, dest,
             rows, n, nblk, per_split, xs.stride(0), words.stride(0), scales.stride(0),
             dest.stride(-2), dest.stride(0) if split > 1 else 0,
-            MMA=mma, BM=bm, BN=bn, T=t, BITS=spec.bits, U=u, P=p, GROUP=spec.group,
-            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, MAGIC=cfg.get("MAGIC", True),
-            SPLIT=split > 1, EVEN=even, SB=sb, XPERM=xperm,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            MMA=mma, BM=bm, BN=bn, T=t, MAGIC=cfg.get("MAGIC", True), XPERM=xperm, **common,
         )
         if split > 1:
             os_.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
     return out
 
+
+WORD_KINDS = ("gemv", "rows", "wdot", "mma")
 
 _SIDE_STREAMS: dict = {}
 
@@ -807,9 +1152,9 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
     if kind == "cublas":
         _linear_cublas(fmt, spec, table, x2, cols, out, cfg)
         return out.view(*lead, n)
-    words = words_of(table, spec, cols) if kind in ("gemv", "mma") else None
+    words = words_of(table, spec, cols) if kind in WORD_KINDS else None
     if words is not None:
         _linear_words(spec, table, words, x2, cols, out, cfg)
     else:
-        _linear_tiles(fmt, spec, table, x2, cols, out, None if kind in ("gemv", "mma") else cfg)
+        _linear_tiles(fmt, spec, table, x2, cols, out, None if kind in WORD_KINDS else cfg)
     return out.view(*lead, n)
