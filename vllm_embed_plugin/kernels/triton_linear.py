@@ -10,8 +10,17 @@ docs/BENCHMARKS.md):
   by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
   block's scale (and minimum times the block's sum of x) is applied once per block.
-- "mma": the same word tiles on tensor cores (each piece scaled, rounded to x's dtype, then
-  one dot per piece); the shipped choice for int5 at 2 <= M <= 16 only.
+- "wdot", M = 2..64 for some formats: the same word tiles on tensor cores, decoded once per
+  weight for up to BM rows of x (x's missing rows masked to zeros, no copy). The P pieces of
+  a tile are put back into column order with a tree of joins, so a tile is one [BN, T * P]
+  operand and one dot with x's matching columns. Scaled and rounded to x's dtype before the
+  dot (the reference's rounding), or raw levels with the row scale after it (fp8); GPOST
+  (a sweep option, not shipped): one dot per group on raw levels, scaled in float32 after.
+  Only whole tiles: a row that is no whole number of tiles takes the generic kernels.
+- "rows": the CUDA-core word kernel for BM rows of x in one launch (each weight decoded once
+  for all of them; what "gemv" runs for M > 1). Slower than "tiles"/"wdot" at every M it was
+  timed at (docs/BENCHMARKS.md), so the heuristic does not pick it.
+- "mma": the word tiles on tensor cores with one dot per piece (the previous int5 choice).
 - "tiles": the generic tile kernels (`_linear_kernel`, `_gemv_kernel`): 8- and 4-bit codes
   split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
   transposed product for small M, classic tiles for larger M.
@@ -999,10 +1008,11 @@ def _pow2_ceil(v: int) -> int:
 
 
 def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
-                  out: torch.Tensor, cfg: dict) -> torch.Tensor:
+                  out: torch.Tensor, cfg: dict) -> torch.Tensor | None:
     """The word kernels, one launch for all rows of x: 'gemv' (M = 1; more rows go to
     'rows'), 'rows' (CUDA cores, BM rows of x per program), 'wdot' (one dot per tile on
-    tensor cores), 'mma' (one dot per piece)."""
+    tensor cores), 'mma' (one dot per piece). None: 'wdot' does not fit the row (a row that
+    is no whole number of tiles); the caller takes the generic kernels."""
     m, n = x2.shape[0], table.num_rows
     u, p = _block_shape(spec.bits)
     kind = cfg["KIND"]
@@ -1020,6 +1030,14 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
     split = cfg.get("SPLIT_K") or 1
     if "SPLIT_K" not in cfg and grid_n * grid_m < 2 * _num_sms(x2.device):
         split = max(1, min(triton.cdiv(nblk, t), (4 * _num_sms(x2.device)) // (grid_n * grid_m)))
+    if kind == "wdot":
+        # Whole tiles in every split (the masked tail of 'wdot' was not verified on a GPU):
+        # a row that is no whole number of tiles takes the generic kernels instead.
+        if nblk % t:
+            return None
+        split = min(split, nblk // t)
+        while (nblk // t) % split:
+            split -= 1
     per_split = triton.cdiv(triton.cdiv(nblk, split), t) * t
     split = triton.cdiv(nblk, per_split)
     scales = table.scales
@@ -1153,8 +1171,6 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
         _linear_cublas(fmt, spec, table, x2, cols, out, cfg)
         return out.view(*lead, n)
     words = words_of(table, spec, cols) if kind in WORD_KINDS else None
-    if words is not None:
-        _linear_words(spec, table, words, x2, cols, out, cfg)
-    else:
+    if words is None or _linear_words(spec, table, words, x2, cols, out, cfg) is None:
         _linear_tiles(fmt, spec, table, x2, cols, out, None if kind in WORD_KINDS else cfg)
     return out.view(*lead, n)
