@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_embed_plugin import evaluate, importance
+from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 from vllm_embed_plugin.formats import ColumnImportance, make_format
 
 
@@ -25,7 +25,7 @@ def shrink(m: torch.Tensor, to: str, amount: float) -> torch.Tensor:
 def split_constant(h: torch.Tensor, amount: float) -> torch.Tensor:
     """M = mu mu^T + C with only the varying part C shrunk toward its diagonal."""
     mu = h.double().mean(0)
-    m = importance.second_moment(h).double()
+    m = calibrate.second_moment(h).double()
     c = m - torch.outer(mu, mu)
     c = (1 - amount) * c + amount * torch.diag(c.diagonal())
     return (torch.outer(mu, mu) + c).float()
@@ -59,30 +59,30 @@ def main() -> int:
     torch.set_num_threads(1)
     # The variants below shrink M themselves; measure each exactly as labelled.
     ColumnImportance.SHRINK = 0.0
-    path = evaluate.resolve_model(args.model)
+    path = real_models.resolve(args.model)
     old_text = args.licence
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    new_text = importance.default_corpus().read_text()
+    new_text = calibrate.default_corpus().read_text()
     run = evaluate.FidelityRun(path, evaluate.packaged_domains(), window=args.window,
                                windows=args.windows, calibration=new_text, progress=False)
 
     def hidden(text, window, positions):
-        w = importance.spread_windows(tok, text, window, positions // window)
+        w = calibrate.spread_windows(tok, text, window, positions // window)
         return run._hidden(run.table, "cal", w)
 
     h_new = hidden(new_text, 512, 4096)
     moments = {
-        "new 4096x512": importance.second_moment(h_new),
-        "new all x512": importance.second_moment(hidden(new_text, 512, 1 << 20)),
-        "new 4096x128": importance.second_moment(hidden(new_text, 128, 4096)),
-        "new 2048x128": importance.second_moment(hidden(new_text, 128, 2048)),
+        "new 4096x512": calibrate.second_moment(h_new),
+        "new all x512": calibrate.second_moment(hidden(new_text, 512, 1 << 20)),
+        "new 4096x128": calibrate.second_moment(hidden(new_text, 128, 4096)),
+        "new 2048x128": calibrate.second_moment(hidden(new_text, 128, 2048)),
     }
     if old_text is not None:
         # The old default: the licence corpus, its first 8 windows of 512.
-        ids = importance.spread_windows(tok, old_text.read_text(), 512, 1 << 20)[:8]
-        moments["licence 4096x512 (old)"] = importance.second_moment(run._hidden(run.table, "cal", ids))
+        ids = calibrate.spread_windows(tok, old_text.read_text(), 512, 1 << 20)[:8]
+        moments["licence 4096x512 (old)"] = calibrate.second_moment(run._hidden(run.table, "cal", ids))
     base = moments["new 4096x512"]
     for a in (0.1, 0.3):
         moments[f"new, shrink diag {a}"] = shrink(base, "diag", a)

@@ -124,7 +124,7 @@ def child(cfg: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_embed_plugin.introspect import worker_report
+    from vllm_embed_plugin.tools.introspect import worker_report
 
     started = time.perf_counter()
     kwargs = dict(
@@ -283,7 +283,7 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
 
 def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path,
                   save) -> None:
-    from vllm_embed_plugin.probe import greedy_close
+    from vllm_embed_plugin.tools.probe import greedy_close
 
     base = dict(model=str(path), vocab=spec["vocab"], gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
                 max_model_len=args.prefill + 512, max_num_seqs=64, attention=args.attention)
@@ -342,7 +342,7 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
 
 def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
     """A separate draft model, both models converted; then an MTP drafter sharing the table."""
-    from vllm_embed_plugin.probe import greedy_close
+    from vllm_embed_plugin.tools.probe import greedy_close
 
     target = build_model(root, "spec-target", specs["spec-target"])
     draft = build_model(root, "spec-draft", specs["spec-draft"])

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from vllm_embed_plugin.cli import main
+from vllm_embed_plugin.tools.cli import main
 from vllm_embed_plugin.formats import make_format
 
 
@@ -78,7 +78,7 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
 
 
 def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "nope.txt"
     assert main(["calibrate", "smollm2", "--corpus", str(missing)]) == 2
@@ -86,7 +86,7 @@ def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
 
 
 def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "nope.txt"
     with pytest.raises(SystemExit) as exc:
@@ -96,7 +96,7 @@ def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
 
 
 def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "no-model"
     assert main(["plan", str(missing)]) == 2
@@ -107,7 +107,7 @@ def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
 def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
     import json
 
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2,
               "vocab_size": 8192, "torch_dtype": "bfloat16"}
@@ -123,8 +123,8 @@ def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
 def test_demo_quality_figures_from_top_k_logprobs():
     import math
 
-    from vllm_embed_plugin.demo import recommendation
-    from vllm_embed_plugin.probe import compare_scores
+    from vllm_embed_plugin.tools.demo import recommendation
+    from vllm_embed_plugin.tools.probe import compare_scores
 
     ref = [[[1, math.log(0.7)], [2, math.log(0.2)]], [[5, math.log(0.9)], [6, math.log(0.05)]]]
     same = compare_scores(ref, ref)

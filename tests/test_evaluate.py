@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
-from vllm_embed_plugin import evaluate  # noqa: E402
+from vllm_embed_plugin.tools import evaluate  # noqa: E402
 from vllm_embed_plugin.formats import IntFormat  # noqa: E402
 
 TEXT = (
@@ -140,10 +140,11 @@ def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
     """`eval --corpus FILE --importance FILE`: the user's text and the user's M; the plugin
     rows and the targets table are built from them."""
     from vllm_embed_plugin import importance
+    from vllm_embed_plugin.tools import calibrate
 
     mine = tmp_path / "mine.txt"
     mine.write_text(" ".join(reversed(TEXT.split())))
-    m = importance.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
+    m = calibrate.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
     calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
     out = tmp_path / "FIDELITY.md"
     argv = ["--model", str(tiny_model), "--corpus", str(mine), "--importance", str(calibration),
@@ -165,12 +166,12 @@ def test_a_missing_file_is_one_line(tiny_model, tmp_path, capsys, flag):
 
 
 def test_packaged_texts_cover_the_domains_and_stay_apart():
-    from vllm_embed_plugin import importance
+    from vllm_embed_plugin.tools import calibrate
 
     domains = evaluate.packaged_domains()
     assert list(domains) == ["code", "prose", "chat"]
     assert "def " in domains["code"] and "Assistant:" in domains["chat"]
-    calibration = importance.default_corpus().read_text(encoding="utf-8")
+    calibration = calibrate.default_corpus().read_text(encoding="utf-8")
     # Prose, code (Python and others), chat in several languages.
     for sample in ("GNU General Public License", "def ", "#include", "Assistant:", "¿", "你好", "Привет"):
         assert sample in calibration
@@ -178,7 +179,7 @@ def test_packaged_texts_cover_the_domains_and_stay_apart():
     seen = {line.strip() for line in calibration.splitlines() if len(line.strip()) > 30}
     for text in domains.values():
         assert not seen & {line.strip() for line in text.splitlines()}
-    data = importance.default_corpus().parent
+    data = calibrate.default_corpus().parent
     assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 200_000
 
 

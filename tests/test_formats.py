@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from vllm_embed_plugin.formats import FORMATS, ColumnImportance, ConversionError, Fp8Format, IntFormat, make_format, quantize_table
-from vllm_embed_plugin.formats import convert
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import FORMATS, ColumnImportance, ConversionError, Fp8Format, IntFormat, make_format
+from vllm_embed_plugin import convert
 from vllm_embed_plugin.formats.integer import pack_bits, unpack_bits
 
 VARIANTS = [
@@ -95,9 +96,9 @@ def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(joint):
     original = fmt.quantize
 
     class Spy(IntFormat):
-        def quantize(self, rows, importance=None):
+        def quantize(self, rows, importance=None, round_group=None):
             rows_seen.append(rows.shape[0])
-            return original(rows, importance)
+            return original(rows, importance, round_group)
 
     spy = Spy("a", 6, 64, search=2)
     budget = 64 * 576 * convert.SCRATCH_BYTES_PER_ELEMENT

@@ -13,7 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat, quantize_table
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -52,7 +53,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_gemm import KINDS, VARIANTS
-    from vllm_embed_plugin.formats import quantize_table
+    from vllm_embed_plugin.convert import quantize_table
     from vllm_embed_plugin.kernels import triton_linear
     torch.manual_seed(0)
     for cols in (256, 104):  # 104: not a whole number of blocks for most widths (fallback)

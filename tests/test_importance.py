@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from vllm_embed_plugin import importance
-from vllm_embed_plugin.cli import main
+from vllm_embed_plugin.tools import calibrate
+from vllm_embed_plugin.tools.cli import main
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
 from vllm_embed_plugin.formats.base import shrink
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 
 def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
@@ -19,7 +20,7 @@ def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
     h = torch.randn(4 * cols, 8, generator=gen) @ torch.randn(8, cols, generator=gen)
     h += 0.3 * torch.randn(4 * cols, cols, generator=gen)
     h[:, 3] += 20.0
-    return importance.second_moment(h)
+    return calibrate.second_moment(h)
 
 
 def test_file_round_trip_and_checks(tmp_path):
@@ -117,12 +118,12 @@ def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = prepare("smollm2")
-    windows = importance.spread_windows(AutoTokenizer.from_pretrained(str(path)),
-                                        importance.default_corpus().read_text(), 128, 2)
+    windows = calibrate.spread_windows(AutoTokenizer.from_pretrained(str(path)),
+                                        calibrate.default_corpus().read_text(), 128, 2)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.inference_mode():
         hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]
-    assert torch.allclose(moment, importance.second_moment(hidden), rtol=1e-3, atol=1e-4)
+    assert torch.allclose(moment, calibrate.second_moment(hidden), rtol=1e-3, atol=1e-4)
     # Massive activations: a few columns carry far more than the median.
     diagonal = importance.load(out, 576, joint=False).weights
     assert diagonal.max() > 50 * diagonal.median()

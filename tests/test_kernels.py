@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_embed_plugin import kernels
-from vllm_embed_plugin.formats import Fp8Format, IntFormat, quantize_table
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import Fp8Format, IntFormat
 
 VARIANTS = [
     IntFormat("int8-row", 8, None),
@@ -134,7 +135,8 @@ def test_package_imports_and_runs_without_triton():
         sys.meta_path.insert(0, Block())
         import torch
         from vllm_embed_plugin import kernels
-        from vllm_embed_plugin.formats import IntFormat, quantize_table
+        from vllm_embed_plugin.convert import quantize_table
+        from vllm_embed_plugin.formats import IntFormat
         fmt = IntFormat("int8", 8, 32)
         t = quantize_table(torch.randn(10, 64), fmt)
         out = kernels.lookup(fmt, t, torch.tensor([1, 2]), 64, torch.float32)
@@ -153,7 +155,8 @@ def test_package_imports_and_runs_without_triton():
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
-    from vllm_embed_plugin.formats import Fp8Format, IntFormat, quantize_table
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import Fp8Format, IntFormat
     from vllm_embed_plugin.kernels import triton_linear, triton_lookup, triton_quantize
     torch.manual_seed(0)
     fmts = [IntFormat("i8", 8, None), IntFormat("i6", 6, 64), IntFormat("i5a", 5, 32, symmetric=False),
@@ -371,7 +374,8 @@ def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
     packed = fmt.quantize(values)  # plain scales: any fixed scales will do
     scales = packed.scales.float()
     mins = None if packed.mins is None else packed.mins.float()
-    fast = round_jointly(values, scales, mins, factor, group, bits, symmetric)
+    fast = round_jointly(values, scales, mins, factor, group, bits, symmetric,
+                         round_group=kernels.round_group_jointly_fast)
     step, low = scales[:, 0].contiguous(), torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous()
     # Whole groups: compare the first group exactly as the loop computes it.
     ref_levels, ref_carried = round_group_jointly_torch(values[:, :group], step, low, factor[:group, :group], bits, symmetric)

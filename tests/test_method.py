@@ -11,7 +11,7 @@ from torch.nn import Parameter
 
 from vllm_embed_plugin import memory
 from vllm_embed_plugin.formats import ConversionError, IntFormat, make_format
-from vllm_embed_plugin.formats.convert import SCRATCH_BYTES_PER_ELEMENT
+from vllm_embed_plugin.convert import SCRATCH_BYTES_PER_ELEMENT
 from vllm_embed_plugin.method import CompactEmbeddingMethod
 
 
@@ -42,12 +42,12 @@ def test_conversion_replaces_table_and_lookup_matches_reference():
 class FailingFormat(IntFormat):
     """Runs out of memory on the second chunk, as a large table might."""
 
-    def quantize(self, rows, importance=None):
+    def quantize(self, rows, importance=None, round_group=None):
         calls = getattr(self, "calls", 0) + 1
         object.__setattr__(self, "calls", calls)  # a frozen dataclass, like every format
         if calls == 2:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return super().quantize(rows, importance)
+        return super().quantize(rows, importance, round_group)
 
 
 def faulty_layers():
@@ -65,7 +65,7 @@ def faulty_layers():
 @pytest.mark.parametrize("case", ["nan-row", "inf-row", "oom-midway"])
 def test_failed_conversion_with_fail_raises_and_leaves_layer_untouched(case, monkeypatch):
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr("vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
     before = layer.weight.detach().clone()
     method = CompactEmbeddingMethod(fmt, "embed", on_error="fail")
     with pytest.raises(ConversionError, match="left unchanged.*VLLM_EMBED_ON_ERROR=keep"):
@@ -81,7 +81,7 @@ def test_failed_conversion_with_keep_serves_bf16(case, monkeypatch, caplog):
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr("vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
     before = layer.weight.detach().clone()
     layer.quant_method = CompactEmbeddingMethod(fmt, "embed", on_error="keep")
     layer.quant_method.process_weights_after_loading(layer)

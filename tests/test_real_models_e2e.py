@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import greedy_close
-from vllm_embed_plugin.probe import run_probe
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools.probe import run_probe
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 pytestmark = pytest.mark.e2e
 
@@ -70,9 +70,10 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     from safetensors.torch import load_file
 
     from vllm_embed_plugin import importance
-    from vllm_embed_plugin.cli import main
-    from vllm_embed_plugin.formats import make_format, quantize_table
-    from vllm_embed_plugin.introspect import digest
+    from vllm_embed_plugin.tools.cli import main
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import make_format
+    from vllm_embed_plugin.tools.introspect import digest
 
     model = prepare(name)
     weights = tmp_path / "smollm2.safetensors"

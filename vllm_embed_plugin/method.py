@@ -19,11 +19,9 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
 from .log import logger
-from .formats import (ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat,
-                      quantize_table)
-
-
-GiB = 1 << 30
+from .convert import quantize_table
+from .formats import ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat
+from .memory import GiB
 
 
 class CompactEmbeddingMethod(QuantizeMethodBase):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from .base import ColumnImportance, ConversionError, PackedRows, TableFormat
-from .convert import quantize_table
 from .fp8 import Fp8Format
 from .identity import IdentityFormat
 from .integer import IntFormat
@@ -68,5 +67,4 @@ __all__ = [
     "PackedRows",
     "TableFormat",
     "make_format",
-    "quantize_table",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -101,6 +102,13 @@ def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
     return (1 - amount) * moment + amount * moment.diagonal().mean() * eye
 
 
+#: (values [n, width], step [n], low [n], factor [width, width], bits, symmetric) ->
+#: (levels, carried errors) [n, width], or None where it does not apply (the torch loop
+#: `formats.integer.round_group_jointly_torch` then runs). The conversion passes a GPU kernel.
+GroupRounder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool],
+                        "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
 class TableFormat(ABC):
     """A storage format for an embedding table of `cols` columns."""
 
@@ -112,9 +120,12 @@ class TableFormat(ABC):
         """Stored bits per table element, scales and minimums included."""
 
     @abstractmethod
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None,
+                 round_group: GroupRounder | None = None) -> PackedRows:
         """Quantize float rows [n, cols] (any float dtype) into packed rows. `importance`
-        steers the formats that search their scales; the others ignore it."""
+        steers the formats that search their scales; the others ignore it. `round_group`: a
+        faster rounding of one group for the joint (GPTQ) rounding, such as a GPU kernel;
+        formats that do not round jointly ignore it."""
 
     @abstractmethod
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:

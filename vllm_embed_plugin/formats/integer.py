@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ColumnImportance, PackedRows, TableFormat
+from .base import ColumnImportance, GroupRounder, PackedRows, TableFormat
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,12 @@ class IntFormat(TableFormat):
 
     # -- quantize / dequantize ----------------------------------------------------------
 
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None,
+                 round_group: GroupRounder | None = None) -> PackedRows:
         """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
         (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
-        choice (GPTQ). None weighs every column alike and rounds each value to its nearest level."""
+        choice (GPTQ), one group at a time by `round_group` where given. None weighs every
+        column alike and rounds each value to its nearest level."""
         if importance is not None and importance.lookup_only:
             # An untied table: the importance describes another use (ColumnImportance).
             return dataclasses.replace(self, search=0).quantize(rows)
@@ -97,7 +99,8 @@ class IntFormat(TableFormat):
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if importance is not None and importance.inverse_factor is not None:
-            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
+            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor,
+                                                     round_group)
         else:
             levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
             levels = levels.reshape(n, groups * g)[:, :cols]
@@ -112,7 +115,8 @@ class IntFormat(TableFormat):
             return levels, scale, None
         return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
 
-    def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor):
+    def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor,
+                     round_group: GroupRounder | None = None):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded in order, each column's error (scaled by the inverse
@@ -122,7 +126,7 @@ class IntFormat(TableFormat):
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
         levels = round_jointly(rows, scale, mins, inverse_factor.to(rows.device, torch.float32),
-                               g, self.bits, self.symmetric)
+                               g, self.bits, self.symmetric, round_group)
         return levels, scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -209,13 +213,14 @@ def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_
 
 
 def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-                  factor: torch.Tensor, group: int, bits: int, symmetric: bool) -> torch.Tensor:
+                  factor: torch.Tensor, group: int, bits: int, symmetric: bool,
+                  round_group: GroupRounder | None = None) -> torch.Tensor:
     """Levels [n, cols] for float32 rows with fixed group scales [n, groups] (and minimums),
     rounded column by column with GPTQ's error feedback through the upper `factor` [cols, cols].
 
     Within a group every column waits for the one before it; the next groups take the group's
-    carried errors in one matrix product. On CUDA a Triton kernel rounds a whole group per
-    launch; elsewhere (and as its reference) the torch loop below does."""
+    carried errors in one matrix product. `round_group` (the conversion passes a Triton kernel
+    on CUDA) rounds a whole group at once; the torch loop below is the reference."""
     n, cols = rows.shape
     work = rows.clone()
     levels = torch.empty_like(rows)
@@ -223,22 +228,12 @@ def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | 
         b = min(a + group, cols)
         step = scale[:, k].contiguous()
         low = torch.zeros_like(step) if mins is None else mins[:, k].contiguous()
-        levels[:, a:b], carried = _round_group_jointly(work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
+        args = (work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
+        rounded = round_group(*args) if round_group is not None else None
+        levels[:, a:b], carried = rounded if rounded is not None else round_group_jointly_torch(*args)
         if b < cols:
             work[:, b:] -= carried @ factor[a:b, b:]
     return levels
-
-
-def _round_group_jointly(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                         factor: torch.Tensor, bits: int, symmetric: bool):
-    """(levels, carried errors) [n, width] of one group; `values` is not modified."""
-    if values.is_cuda:
-        from ..kernels import round_group_jointly_fast  # lazy: kernels imports formats
-
-        fast = round_group_jointly_fast(values, step, low, factor, bits, symmetric)
-        if fast is not None:
-            return fast
-    return round_group_jointly_torch(values, step, low, factor, bits, symmetric)
 
 
 def round_group_jointly_torch(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,

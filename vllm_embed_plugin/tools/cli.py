@@ -11,13 +11,16 @@ import os
 import sys
 from pathlib import Path
 
+from ..memory import GiB
 from .plan import KV_CACHE_DTYPES
 
-GiB = 1 << 30
+
+#: The package vLLM's entry point names (the runtime, not these tools).
+PACKAGE = __name__.split(".")[0]
 
 
 def cmd_check(args) -> int:
-    from .settings import EmbedSettingsError, load_settings
+    from ..settings import EmbedSettingsError, load_settings
 
     try:
         settings = load_settings()
@@ -38,7 +41,7 @@ def _installation(settings) -> list[str]:
     """Which vLLM is installed and whether the plugin acts on it; how vLLM finds the plugin."""
     from importlib import metadata
 
-    from .compat import detect
+    from ..compat import detect
 
     lines = []
     dists = metadata.packages_distributions().get("vllm", [])
@@ -47,13 +50,13 @@ def _installation(settings) -> list[str]:
     lines.append(f"vllm: {support.version or 'not installed'}{dist}")
     lines.append(f"vllm: {support.describe(settings.untested_vllm)}")
     ours = [ep for ep in metadata.entry_points(group="vllm.general_plugins")
-            if ep.value.split(":")[0] == __package__]
+            if ep.value.split(":")[0] == PACKAGE]
     if not ours:
         lines.append("entry point: none in vllm.general_plugins: vLLM will not load this plugin "
                      "(install the package, e.g. pip install vllm-embed-plugin)")
     for ep in ours:
         where = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-        where += f", {Path(__file__).parent}"
+        where += f", {Path(__file__).parent.parent}"
         lines.append(f"entry point: vllm.general_plugins {ep.name} = {ep.value} ({where})")
         allowed = os.environ.get("VLLM_PLUGINS")
         if allowed is not None and ep.name not in allowed.split(","):
@@ -106,24 +109,24 @@ def cmd_demo(args) -> int:
 def cmd_calibrate(args) -> int:
     import torch
 
-    from . import importance
-    from .evaluate import resolve_model
-    from .importance import default_corpus
+    from .. import importance
+    from . import calibrate
+    from .real_models import resolve
 
-    corpus = args.corpus or default_corpus()
+    corpus = args.corpus or calibrate.default_corpus()
     if not corpus.is_file():
         print(f"error: --corpus {corpus}: no such file", file=sys.stderr)
         return 2
-    path = resolve_model(args.model)
+    path = resolve(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
-    window = args.window or importance.DEFAULT_WINDOW
-    positions = args.positions or importance.DEFAULT_POSITIONS
-    moment, meta = importance.measure(path, corpus.read_text(encoding="utf-8"), window=window,
+    window = args.window or calibrate.DEFAULT_WINDOW
+    positions = args.positions or calibrate.DEFAULT_POSITIONS
+    moment, meta = calibrate.measure(path, corpus.read_text(encoding="utf-8"), window=window,
                                       max_positions=positions, device=args.device,
                                       dtype=getattr(torch, args.dtype))
     meta["corpus"] = str(corpus)
-    out = args.out or importance.DEFAULT_DIR / f"{path.name}.safetensors"
+    out = args.out or calibrate.DEFAULT_DIR / f"{path.name}.safetensors"
     importance.save(out, moment, meta)
     values = moment.diagonal()
     top = values.topk(min(4, values.numel()))
@@ -148,7 +151,7 @@ PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import __version__
+    from .. import __version__
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASS_THROUGH:
@@ -179,22 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=cmd_demo)
 
-    calibrate = sub.add_parser(
+    calibrate_cmd = sub.add_parser(
         "calibrate", help="measure a model's column importance once; the scale search then uses it")
-    calibrate.add_argument("model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m")
-    calibrate.add_argument("--out", type=Path, default=None,
+    calibrate_cmd.add_argument("model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m")
+    calibrate_cmd.add_argument("--out", type=Path, default=None,
                            help="file to write (default: the cache, named after the model directory)")
-    calibrate.add_argument("--corpus", type=Path, default=None,
+    calibrate_cmd.add_argument("--corpus", type=Path, default=None,
                            help="plain text (default: the packaged corpus of prose, code and chat "
                            "in several languages)")
-    calibrate.add_argument("--positions", type=int, default=None,
+    calibrate_cmd.add_argument("--positions", type=int, default=None,
                            help="tokens to measure on, in windows spread over the whole corpus "
                            "(default 16384: all of the packaged corpus)")
-    calibrate.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
-    calibrate.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
-    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    calibrate.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    calibrate.set_defaults(func=cmd_calibrate)
+    calibrate_cmd.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
+    calibrate_cmd.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
+    calibrate_cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    calibrate_cmd.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    calibrate_cmd.set_defaults(func=cmd_calibrate)
 
     prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")
     prepare.add_argument("name", help="smollm2 or gemma3-270m")

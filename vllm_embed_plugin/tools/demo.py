@@ -1,6 +1,6 @@
 """The main job, shown fairly: a real model in vLLM with the plugin off, then on.
 
-    python -m vllm_embed_plugin.demo [--model smollm2|gemma3-270m|DIR] [--format int8]
+    python -m vllm_embed_plugin.tools.demo [--model smollm2|gemma3-270m|DIR] [--format int8]
 
 Each run is a fresh vLLM engine (CPU backend here) in its own process; the plugin is loaded by
 vLLM through its entry point. Prints, side by side: the bytes of the vocabulary tables (a tied
@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..memory import GiB
 from .probe import compare_scores, run_probe
 
-GiB = 1 << 30
 QUESTION = "What is the capital of France?"
 
 

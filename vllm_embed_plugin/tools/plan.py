@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import FORMATS, make_format
+from ..formats import FORMATS, make_format
+from ..memory import GiB
 
-GiB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 #: `--kv-cache-dtype` values, by vLLM's names ("auto": the model's dtype).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")

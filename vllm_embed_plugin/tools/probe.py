@@ -4,7 +4,7 @@ The plugin is never imported by hand here: vLLM loads it through its entry point
 its processes, under whatever VLLM_EMBED_* variables the caller set. Used by the demo and the
 end-to-end tests.
 
-    python -m vllm_embed_plugin.probe OUT.json --model DIR [--chat TEXT | --prompts JSON] ...
+    python -m vllm_embed_plugin.tools.probe OUT.json --model DIR [--chat TEXT | --prompts JSON] ...
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    from vllm_embed_plugin.introspect import worker_report
+    from vllm_embed_plugin.tools.introspect import worker_report
 
     extra = {}
     if args.draft:
@@ -161,7 +161,7 @@ def run_probe(out_dir: Path, name: str, env: dict[str, str], *args: str, timeout
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EMBED_") or k == "VLLM_EMBED_CACHE"}
     full_env.update(env)
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_embed_plugin.probe", str(out), *args],
+        [sys.executable, "-m", "vllm_embed_plugin.tools.probe", str(out), *args],
         env=full_env,
         capture_output=True,
         text=True,

@@ -23,7 +23,7 @@ held-out domains), llama.cpp reference formats through the `gguf` package's refe
 quantizers, and one experiment computed here only: "outlier rows" (the rows with the largest
 error kept at 8 bits).
 
-    python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
+    python -m vllm_embed_plugin.tools.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
     vllm-embed-plugin eval --model DIR --importance DIR.safetensors --corpus mine.txt --out mine.md
 
 This module never imports vLLM; transformers, gguf and tqdm (the `eval` extra) are imported
@@ -46,9 +46,10 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import importance
-from .formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
-from .formats.convert import chunk_rows
+from .. import importance
+from . import DATA_DIR, calibrate, real_models
+from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
+from ..convert import row_chunks
 
 __all__ = [
     "BIT_CLASSES",
@@ -58,7 +59,6 @@ __all__ = [
     "Result",
     "SECTIONS",
     "Section",
-    "default_corpus",
     "degrid",
     "evaluate_model",
     "grid",
@@ -75,7 +75,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
-HELDOUT_FILES = tuple(Path(__file__).parent / "data" / "heldout" / f"{name}.txt"
+HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt"
                       for name in ("code", "prose", "chat"))
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
@@ -123,9 +123,8 @@ def _unroll(t: torch.Tensor, shift: int) -> torch.Tensor:
 def _chunked(table: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """fn applied to row chunks of `table` (bounded transient), into a new float32 table."""
     out = torch.empty(table.shape, dtype=torch.float32)
-    step = chunk_rows(table.shape[1])
-    for start in range(0, table.shape[0], step):
-        out[start : start + step] = fn(table[start : start + step])
+    for rows in row_chunks(*table.shape):
+        out[rows] = fn(table[rows])
     return out
 
 
@@ -217,10 +216,8 @@ def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat |
         lossy = base_rt(table, moment)
         importance = moment.diagonal()
         err = torch.empty(table.shape[0])
-        step = chunk_rows(cols)
-        for s in range(0, table.shape[0], step):
-            diff = lossy[s : s + step] - table[s : s + step]
-            err[s : s + step] = (diff.square() * importance).sum(1)
+        for part in row_chunks(*table.shape):
+            err[part] = ((lossy[part] - table[part]).square() * importance).sum(1)
         rows = err.topk(max(1, round(share * table.shape[0]))).indices
         lossy[rows] = high_rt(table[rows], moment)
         return lossy
@@ -236,18 +233,18 @@ def degrid(table: torch.Tensor, block: int = 32, seed: int = 0) -> torch.Tensor:
     to BF16. Statistically a table never quantized before, so no 8-bit format can profit from
     re-finding the old grid (which Q8_0 on blocks shifted by 16 columns still partly does: a
     shifted block holding an old block's largest value gets that block's step back)."""
-    rows, cols = table.shape
+    cols = table.shape[1]
     if cols % block:
         raise ValueError(f"rows of {cols} are not a multiple of {block}")
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(table.shape, dtype=torch.float32)
-    step = chunk_rows(cols)
-    for s in range(0, rows, step):
-        x = table[s : s + step].float().view(-1, cols // block, block)
+
+    def off_grid(chunk: torch.Tensor) -> torch.Tensor:
+        x = chunk.float().view(-1, cols // block, block)
         half_step = x.abs().amax(-1, keepdim=True) / 254
         noise = torch.rand(x.shape, generator=gen).mul_(2).sub_(1).mul_(half_step)
-        out[s : s + step] = (x + noise).view(-1, cols).bfloat16().float()
-    return out
+        return (x + noise).view(-1, cols).bfloat16().float()
+
+    return _chunked(table, off_grid)
 
 
 def grid(name: str, cols: int) -> list[Candidate]:
@@ -280,7 +277,7 @@ def grid(name: str, cols: int) -> list[Candidate]:
         # The formats as the plugin ships them: plain, and with a column-importance file as
         # the plugin applies it to a tied table (search + joint rounding), beside llama.cpp's
         # at the same sizes.
-        from .formats import FORMATS, make_format
+        from ..formats import FORMATS, make_format
 
         def keyed(candidate: Candidate, key: str) -> Candidate:
             return dataclasses.replace(candidate, key=key)
@@ -401,8 +398,8 @@ class FidelityRun:
     def __init__(self, model_path: str | Path, domains: Mapping[str, str] | str, *,
                  window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
                  second_moment: torch.Tensor | None = None, calibration: str | None = None,
-                 calibration_window: int = importance.DEFAULT_WINDOW,
-                 calibration_positions: int = importance.DEFAULT_POSITIONS,
+                 calibration_window: int = calibrate.DEFAULT_WINDOW,
+                 calibration_positions: int = calibrate.DEFAULT_POSITIONS,
                  degrid_table: bool = False, progress: bool = True):
         """`domains`: name -> text (a bare text is one domain, "text"); `windows` windows of
         `window` tokens are spread over each. `degrid_table`: replace the model's token table by
@@ -418,7 +415,7 @@ class FidelityRun:
         self.windows: list[torch.Tensor] = []
         self.window_domain: list[str] = []
         for name, text in domains.items():
-            for ids in importance.spread_windows(tokenizer, text, window, windows):
+            for ids in calibrate.spread_windows(tokenizer, text, window, windows):
                 self.windows.append(ids)
                 self.window_domain.append(name)
         self.domain_names = list(domains)
@@ -447,11 +444,11 @@ class FidelityRun:
         if second_moment is None:
             text = calibration
             if text is None:
-                text = importance.default_corpus().read_text(encoding="utf-8")
-            calib = importance.spread_windows(tokenizer, text, calibration_window,
+                text = calibrate.default_corpus().read_text(encoding="utf-8")
+            calib = calibrate.spread_windows(tokenizer, text, calibration_window,
                                               calibration_positions // calibration_window)
             #: M = E[h h^T] of the final hidden state (importance.py).
-            second_moment = importance.second_moment(self._hidden(self.table, "importance", calib))
+            second_moment = calibrate.second_moment(self._hidden(self.table, "importance", calib))
             self.calibration_positions = calib.numel()
         else:
             self.calibration_positions = None
@@ -815,20 +812,6 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
 # -- entry points ------------------------------------------------------------------------------
 
 
-def default_corpus() -> Path:
-    """The packaged calibration corpus (what `calibrate` reads by default)."""
-    return importance.default_corpus()
-
-
-def resolve_model(name: str) -> Path:
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    from .real_models import prepare
-
-    return prepare(name)
-
-
 def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "plugin",
                    window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
                    second_moment: torch.Tensor | None = None, only: str | None = None,
@@ -836,7 +819,7 @@ def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "
     """Evaluate every section of `grid_name` (rows whose label contains `only`, if given) on
     `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
     when None, measured on the packaged calibration corpus as `calibrate` does by default."""
-    path = resolve_model(model)
+    path = real_models.resolve(model)
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
         started = time.perf_counter()
@@ -870,7 +853,7 @@ def _need_file(parser: argparse.ArgumentParser, path: Path | None, flag: str) ->
 
 
 def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m vllm_embed_plugin.evaluate") -> int:
+         prog: str = "python -m vllm_embed_plugin.tools.evaluate") -> int:
     """The command line; `prog` is how the command that was run is written into the report."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
