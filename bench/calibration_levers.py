@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 from vllm_embed_plugin.formats import ColumnImportance, make_format
+from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 
 
 def shrink(m: torch.Tensor, to: str, amount: float) -> torch.Tensor:
@@ -110,7 +110,7 @@ def main() -> int:
     for c in anchors:
         line(c.label, run.evaluate(c))
     plain = {f: row(f, None, f"{f} plain") for f in ("int4",)}
-    for f, c in plain.items():
+    for c in plain.values():
         line(c.label, run.evaluate(c))
     # Untied: what the search does for the input side.
     # (The group-by-group guard measured in docs/CALIBRATION.md was removed at the commit after

@@ -302,8 +302,8 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
                 "kv_tokens": engine.ready["kv_tokens"],
                 "table_gpu_bytes": table_gpu_bytes(engine.ready),
                 "tables": engine.ready["workers"][0]["target"]["tables"],
-                "conversion_log": [l.split("vllm-embed-plugin: ", 1)[1] for l in log.splitlines()
-                                   if "table ->" in l and "vllm-embed-plugin: " in l],
+                "conversion_log": [x.split("vllm-embed-plugin: ", 1)[1] for x in log.splitlines()
+                                   if "table ->" in x and "vllm-embed-plugin: " in x],
                 "graph_breaks": log.count("Graph break"),
                 **compile_cache_use(log),
             }
@@ -325,7 +325,7 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
                     ("decode_b64", {"op": "decode", "batch": 64, "tokens": args.decode_tokens}),
                     ("prefill", {"op": "prefill", "length": args.prefill})]
         for label, request in requests:
-            for fmt, engine in engines.items():
+            for engine in engines.values():
                 engine.ask({**request, "warmup": True}, "timed")
             for rep in range(args.reps):
                 order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
@@ -421,7 +421,7 @@ def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
                 "draft_float_vocab_tables": draft.get("float_vocab_tables"),
                 "shared_table": _shares_table(target, draft),
                 "greedy": greedy, "spec": greedy["spec"],
-                "log_share_lines": [l for l in engine.log_text().splitlines() if "MTP" in l and "Sharing" in l],
+                "log_share_lines": [x for x in engine.log_text().splitlines() if "MTP" in x and "Sharing" in x],
             }
         finally:
             engine.close()

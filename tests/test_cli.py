@@ -3,8 +3,8 @@ import json
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from vllm_embed_plugin.tools.cli import main
 from vllm_embed_plugin.formats import make_format
+from vllm_embed_plugin.tools.cli import main
 
 
 def test_check_prints_decisions_with_the_plugins_settings(monkeypatch, capsys):
@@ -39,7 +39,7 @@ def test_plan_uses_the_models_kv_layout(tmp_path, capsys):
     kv_per_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head size, BF16
     assert f"{kv_per_token} bytes per token" in out
     freed = 151936 * 4096 * 2 - make_format("int8").nbytes(151936, 4096)
-    line = next(l for l in out.splitlines() if l.startswith("int8 "))
+    line = next(x for x in out.splitlines() if x.startswith("int8 "))
     assert f"{freed // kv_per_token:,}" in line
 
 

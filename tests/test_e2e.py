@@ -42,7 +42,7 @@ def test_unconfigured_plugin_changes_nothing(runs, models):
     assert embedding["class"] == "VocabParallelEmbedding"
     assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
     # vLLM loaded the plugin through its entry point in the worker process too.
-    assert "VllmWorker" in next(l for l in run.log.splitlines() if f"vllm-embed-plugin {__version__}: format=off" in l and "Worker" in l)
+    assert "VllmWorker" in next(x for x in run.log.splitlines() if f"vllm-embed-plugin {__version__}: format=off" in x and "Worker" in x)
 
 
 def test_int8_converts_untied_embedding_inside_worker(runs, models):

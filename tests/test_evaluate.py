@@ -7,8 +7,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
-from vllm_embed_plugin.tools import evaluate  # noqa: E402
 from vllm_embed_plugin.formats import IntFormat  # noqa: E402
+from vllm_embed_plugin.tools import evaluate  # noqa: E402
 
 TEXT = (
     "The licenses for most software and other practical works are designed to take away your "

@@ -1,9 +1,16 @@
 import pytest
 import torch
 
-from vllm_embed_plugin.convert import quantize_table
-from vllm_embed_plugin.formats import FORMATS, ColumnImportance, ConversionError, Fp8Format, IntFormat, make_format
 from vllm_embed_plugin import convert
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import (
+    FORMATS,
+    ColumnImportance,
+    ConversionError,
+    Fp8Format,
+    IntFormat,
+    make_format,
+)
 from vllm_embed_plugin.formats.integer import pack_bits, unpack_bits
 
 VARIANTS = [

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from vllm_embed_plugin import importance
-from vllm_embed_plugin.tools import calibrate
-from vllm_embed_plugin.tools.cli import main
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
 from vllm_embed_plugin.formats.base import shrink
+from vllm_embed_plugin.tools import calibrate
+from vllm_embed_plugin.tools.cli import main
 from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 

@@ -10,8 +10,8 @@ import torch
 from torch.nn import Parameter
 
 from vllm_embed_plugin import memory
-from vllm_embed_plugin.formats import ConversionError, IntFormat, make_format
 from vllm_embed_plugin.convert import SCRATCH_BYTES_PER_ELEMENT
+from vllm_embed_plugin.formats import ConversionError, IntFormat, make_format
 from vllm_embed_plugin.method import CompactEmbeddingMethod
 
 

@@ -70,9 +70,9 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     from safetensors.torch import load_file
 
     from vllm_embed_plugin import importance
-    from vllm_embed_plugin.tools.cli import main
     from vllm_embed_plugin.convert import quantize_table
     from vllm_embed_plugin.formats import make_format
+    from vllm_embed_plugin.tools.cli import main
     from vllm_embed_plugin.tools.introspect import digest
 
     model = prepare(name)

@@ -135,7 +135,7 @@ def test_documented_variables_match_what_is_accepted():
     from pathlib import Path
 
     import vllm_embed_plugin
-    from vllm_embed_plugin.settings import ENV_PREFIX, EmbedSettings, OTHER_ENV
+    from vllm_embed_plugin.settings import ENV_PREFIX, OTHER_ENV, EmbedSettings
 
     root = Path(vllm_embed_plugin.__file__).parent
     texts = [p.read_text() for p in root.rglob("*.py")]

@@ -6,7 +6,7 @@ them): formats never import kernels."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -8,21 +8,19 @@ the class name up in the out-of-tree registry. `ParallelLMHead` is registered to
 
 from __future__ import annotations
 
-
 from vllm.config import get_current_vllm_config_or_none
-from vllm.platforms import current_platform
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
+from vllm.platforms import current_platform
 
 from . import importance
 from .formats import IntFormat, make_format
 from .log import log_once
 from .method import CompactEmbeddingMethod
 from .settings import EmbedSettingsError, current_settings
-
 
 #: Model tags vLLM sets (`set_model_tag`) while it builds a speculative-decoding drafter.
 DRAFT_MODEL_TAGS = ("draft_model", "eagle_head", "medusa_head", "dflash_head", "dspark_head")

@@ -18,9 +18,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
-from .log import logger
 from .convert import quantize_table
 from .formats import ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat
+from .log import logger
 from .memory import GiB
 
 

@@ -195,7 +195,7 @@ def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})")
+        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})") from None
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml  # noqa: F401

@@ -7,8 +7,8 @@ row per table row, so slicing, gathering and tensor-parallel sharding work on an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 

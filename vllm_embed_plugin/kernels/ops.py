@@ -11,7 +11,8 @@ The format travels as a string key (`register_format`): ops take tensors and pla
 No `from __future__ import annotations` here: `infer_schema` reads the annotations.
 """
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

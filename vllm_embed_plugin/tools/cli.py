@@ -14,7 +14,6 @@ from pathlib import Path
 from ..memory import GiB
 from .plan import KV_CACHE_DTYPES
 
-
 #: The package vLLM's entry point names (the runtime, not these tools).
 PACKAGE = __name__.split(".")[0]
 

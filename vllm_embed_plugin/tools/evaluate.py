@@ -32,24 +32,23 @@ where they are used.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import datetime
 import math
 import shlex
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .. import importance
-from . import DATA_DIR, calibrate, real_models
-from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
 from ..convert import row_chunks
+from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
+from . import DATA_DIR, calibrate, real_models
 
 __all__ = [
     "BIT_CLASSES",

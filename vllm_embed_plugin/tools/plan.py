@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import FORMATS, make_format
-from ..memory import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 #: `--kv-cache-dtype` values, by vLLM's names ("auto": the model's dtype).
