@@ -18,7 +18,9 @@ from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 
 def shrink(m: torch.Tensor, to: str, amount: float) -> torch.Tensor:
     """M mixed with its diagonal ("diag") or with mean(diag) * I ("identity")."""
-    target = torch.diag(m.diagonal()) if to == "diag" else m.diagonal().mean() * torch.eye(m.shape[0])
+    target = (
+        torch.diag(m.diagonal()) if to == "diag" else m.diagonal().mean() * torch.eye(m.shape[0])
+    )
     return (1 - amount) * m + amount * target
 
 
@@ -52,9 +54,13 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--only", default="", help="comma-separated label endings to run")
-    p.add_argument("--licence", type=Path, default=None,
-                   help="the licence-only corpus calibrate read before (git show dca516a:"
-                   "vllm_embed_plugin/data/corpus.txt), for the old M")
+    p.add_argument(
+        "--licence",
+        type=Path,
+        default=None,
+        help="the licence-only corpus calibrate read before (git show dca516a:"
+        "vllm_embed_plugin/data/corpus.txt), for the old M",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     # The variants below shrink M themselves; measure each exactly as labelled.
@@ -65,8 +71,14 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(str(path))
     new_text = calibrate.default_corpus().read_text()
-    run = evaluate.FidelityRun(path, evaluate.packaged_domains(), window=args.window,
-                               windows=args.windows, calibration=new_text, progress=False)
+    run = evaluate.FidelityRun(
+        path,
+        evaluate.packaged_domains(),
+        window=args.window,
+        windows=args.windows,
+        calibration=new_text,
+        progress=False,
+    )
 
     def hidden(text, window, positions):
         w = calibrate.spread_windows(tok, text, window, positions // window)
@@ -82,7 +94,9 @@ def main() -> int:
     if old_text is not None:
         # The old default: the licence corpus, its first 8 windows of 512.
         ids = calibrate.spread_windows(tok, old_text.read_text(), 512, 1 << 20)[:8]
-        moments["licence 4096x512 (old)"] = calibrate.second_moment(run._hidden(run.table, "cal", ids))
+        moments["licence 4096x512 (old)"] = calibrate.second_moment(
+            run._hidden(run.table, "cal", ids)
+        )
     base = moments["new 4096x512"]
     for a in (0.1, 0.3):
         moments[f"new, shrink diag {a}"] = shrink(base, "diag", a)
@@ -116,7 +130,10 @@ def main() -> int:
     # (The group-by-group guard measured in docs/CALIBRATION.md was removed at the commit after
     # 3728594: an untied table now ignores the file, so only the bare search is left to try.)
     untied = [
-        ("int4 untied, diag(M), unguarded", lambda m: ColumnImportance(m.diagonal().clamp_min(1e-12))),
+        (
+            "int4 untied, diag(M), unguarded",
+            lambda m: ColumnImportance(m.diagonal().clamp_min(1e-12)),
+        ),
     ]
     for source in [m for m in ("new 4096x512", "licence 4096x512 (old)") if m in moments]:
         for label, fn in untied:

@@ -66,7 +66,10 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"vllm: {vllm.__version__} (distribution vllm" in out
     assert f"vLLM {vllm.__version__}: supported" in out and "the plugin can act on it" in out
-    assert "entry point: vllm.general_plugins embed = vllm_embed_plugin:register (vllm-embed-plugin" in out
+    assert (
+        "entry point: vllm.general_plugins embed = vllm_embed_plugin:register (vllm-embed-plugin"
+        in out
+    )
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "off")
     monkeypatch.setenv("VLLM_PLUGINS", "other")
@@ -109,8 +112,14 @@ def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
 
     from vllm_embed_plugin.tools.cli import main
 
-    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2,
-              "vocab_size": 8192, "torch_dtype": "bfloat16"}
+    config = {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "vocab_size": 8192,
+        "torch_dtype": "bfloat16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     per_token = {}
     for dtype in ("auto", "fp8_e4m3"):

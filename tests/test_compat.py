@@ -28,10 +28,16 @@ def set_version(monkeypatch, version):
     monkeypatch.setattr(vllm, "__version__", version)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("0.32.0", (0, 32)), ("0.32.0+cpu", (0, 32)), ("0.34.1rc1.dev3+gabc", (0, 34)),
-    ("1.0", (1, 0)), ("dev", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0.32.0", (0, 32)),
+        ("0.32.0+cpu", (0, 32)),
+        ("0.34.1rc1.dev3+gabc", (0, 34)),
+        ("1.0", (1, 0)),
+        ("dev", None),
+    ],
+)
 def test_release_parses_what_vllm_reports(text, expected):
     assert compat.release(text) == expected
 
@@ -43,15 +49,18 @@ def test_installed_vllm_has_every_api_the_plugin_uses():
     assert support.acts()
 
 
-@pytest.mark.parametrize("version, status, acts, acts_if_off", [
-    ("0.25.2", "too-old", False, False),
-    ("0.26.0", "supported", True, True),
-    ("0.28.0", "supported", True, True),
-    ("0.30.1", "supported", True, True),   # inside the tested range
-    ("0.32.0+cpu", "supported", True, True),
-    ("0.34.0", "untested", True, False),
-    ("1.2.0", "untested", True, False),
-])
+@pytest.mark.parametrize(
+    "version, status, acts, acts_if_off",
+    [
+        ("0.25.2", "too-old", False, False),
+        ("0.26.0", "supported", True, True),
+        ("0.28.0", "supported", True, True),
+        ("0.30.1", "supported", True, True),  # inside the tested range
+        ("0.32.0+cpu", "supported", True, True),
+        ("0.34.0", "untested", True, False),
+        ("1.2.0", "untested", True, False),
+    ],
+)
 def test_version_decides_with_the_minimum_and_the_newest_tested(version, status, acts, acts_if_off):
     support = compat.detect(version)
     assert support.status == status
@@ -78,7 +87,9 @@ def test_newer_vllm_registers_with_one_warning(monkeypatch, registry, caplog):
     assert set(registry) == {"VocabParallelEmbedding", "ParallelLMHead"}
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
-    assert "vLLM 0.40.1 is newer than the newest release the plugin was tested on (0.32" in warnings[0]
+    assert (
+        "vLLM 0.40.1 is newer than the newest release the plugin was tested on (0.32" in warnings[0]
+    )
     assert "VLLM_EMBED_UNTESTED_VLLM=off" in warnings[0]
 
 
@@ -123,5 +134,7 @@ def test_untested_vllm_setting_is_typed(monkeypatch):
     from vllm_embed_plugin.settings import EmbedSettingsError, load_settings
 
     monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "maybe")
-    with pytest.raises(EmbedSettingsError, match="VLLM_EMBED_UNTESTED_VLLM='maybe'.*'warn' or 'off'"):
+    with pytest.raises(
+        EmbedSettingsError, match="VLLM_EMBED_UNTESTED_VLLM='maybe'.*'warn' or 'off'"
+    ):
         load_settings()

@@ -28,15 +28,23 @@ def tiny_model(tmp_path_factory):
     bpe.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"])
     bpe.train_from_iterator([TEXT], trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
-                                                     bos_token="<s>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>"
+    )
     tokenizer.save_pretrained(path)
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
         initializer_range=0.1,
     )
     model = transformers.LlamaForCausalLM(config)
@@ -56,8 +64,16 @@ DOMAINS = {"plain": TEXT, "reversed": " ".join(reversed(TEXT.split()))}
 @pytest.fixture(scope="module")
 def run(tiny_model):
     torch.set_num_threads(2)
-    return evaluate.FidelityRun(tiny_model, DOMAINS, window=32, windows=2, calibration=TEXT,
-                                calibration_window=32, calibration_positions=64, progress=False)
+    return evaluate.FidelityRun(
+        tiny_model,
+        DOMAINS,
+        window=32,
+        windows=2,
+        calibration=TEXT,
+        calibration_window=32,
+        calibration_positions=64,
+        progress=False,
+    )
 
 
 def test_windows_domains_and_importance(run):
@@ -86,7 +102,9 @@ def test_each_domain_has_its_own_figures(run):
         parts = [r.domain(d, mode) for d in ("plain", "reversed")]
         assert all(len(p.window_klds) == 2 for p in parts)
         # The whole is the mean of its (equal-sized) domains.
-        assert getattr(r, mode).kld_mean == pytest.approx(sum(p.kld_mean for p in parts) / 2, rel=1e-5)
+        assert getattr(r, mode).kld_mean == pytest.approx(
+            sum(p.kld_mean for p in parts) / 2, rel=1e-5
+        )
         assert getattr(r, mode).window_klds == parts[0].window_klds + parts[1].window_klds
 
 
@@ -124,8 +142,21 @@ def test_main_writes_markdown_with_command(tiny_model, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     out = tmp_path / "docs" / "FIDELITY.md"
-    argv = ["--model", str(tiny_model), "--corpus", str(corpus), "--grid", "quick",
-            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--corpus",
+        str(corpus),
+        "--grid",
+        "quick",
+        "--window",
+        "32",
+        "--windows",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert evaluate.main(argv, prog="vllm-embed-plugin eval") == 0
     text = out.read_text()
     assert "vllm-embed-plugin eval --model " + str(tiny_model) in text
@@ -147,11 +178,27 @@ def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
     m = calibrate.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
     calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
     out = tmp_path / "FIDELITY.md"
-    argv = ["--model", str(tiny_model), "--corpus", str(mine), "--importance", str(calibration),
-            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--corpus",
+        str(mine),
+        "--importance",
+        str(calibration),
+        "--window",
+        "32",
+        "--windows",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert evaluate.main(argv) == 0
     text = out.read_text()
-    assert f"the calibration file `{calibration}`" in text and "column importance read from the file" in text
+    assert (
+        f"the calibration file `{calibration}`" in text
+        and "column importance read from the file" in text
+    )
     assert "| target | mine |" in text
     assert "| `int4` + file, tied <= 0.6x llama.cpp Q4_0 (tied KLD) | " in text
 
@@ -173,7 +220,15 @@ def test_packaged_texts_cover_the_domains_and_stay_apart():
     assert "def " in domains["code"] and "Assistant:" in domains["chat"]
     calibration = calibrate.default_corpus().read_text(encoding="utf-8")
     # Prose, code (Python and others), chat in several languages.
-    for sample in ("GNU General Public License", "def ", "#include", "Assistant:", "¿", "你好", "Привет"):
+    for sample in (
+        "GNU General Public License",
+        "def ",
+        "#include",
+        "Assistant:",
+        "¿",
+        "你好",
+        "Привет",
+    ):
         assert sample in calibration
     # No evaluation line longer than a stock phrase appears in the calibration corpus.
     seen = {line.strip() for line in calibration.splitlines() if len(line.strip()) > 30}
@@ -188,9 +243,17 @@ def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():
     import numpy as np
 
     x = torch.randn(64, 128) * 0.05
-    on_grid = torch.from_numpy(gguf.quants.dequantize(
-        gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
-        gguf.GGMLQuantizationType.Q8_0).copy()).reshape(x.shape).bfloat16().float()
+    on_grid = (
+        torch.from_numpy(
+            gguf.quants.dequantize(
+                gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                gguf.GGMLQuantizationType.Q8_0,
+            ).copy()
+        )
+        .reshape(x.shape)
+        .bfloat16()
+        .float()
+    )
     moved = evaluate.degrid(on_grid)
     assert torch.equal(moved, moved.bfloat16().float())
     half_step = on_grid.view(64, 4, 32).abs().amax(-1, keepdim=True) / 254
@@ -206,4 +269,7 @@ def test_grids_build_for_any_row_length():
         rows = evaluate.grid(name, 640)
         assert rows and all(r.bpw is None or r.bpw <= 16 for r in rows)
     assert {r.label for r in evaluate.grid("anchors", 640) if r.roundtrip is None} == {
-        "llama.cpp Q6_K", "llama.cpp Q5_K", "llama.cpp Q4_K"}
+        "llama.cpp Q6_K",
+        "llama.cpp Q5_K",
+        "llama.cpp Q4_K",
+    }

@@ -68,7 +68,10 @@ def test_search_never_loses_to_plain_scale():
         (IntFormat("a", 4, 32), IntFormat("a", 4, 32, search=5)),
         (IntFormat("a", 5, 32, symmetric=False), IntFormat("a", 5, 32, symmetric=False, search=5)),
     ]:
-        errs = [(f.dequantize(f.quantize(x), 640, torch.float32) - x).pow(2).sum() for f in (plain, searched)]
+        errs = [
+            (f.dequantize(f.quantize(x), 640, torch.float32) - x).pow(2).sum()
+            for f in (plain, searched)
+        ]
         assert errs[1] < errs[0]
 
 

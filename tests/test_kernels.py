@@ -193,8 +193,13 @@ INTERPRETER_CHECK = textwrap.dedent(
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True,
-                         timeout=900, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
 
 
@@ -220,10 +225,13 @@ def test_gpu_lookup_bit_exact(fmt, shape):
     table = table_for(fmt, rows, cols, device="cuda")
     for n in (1, 3000):  # the heuristics' small- and large-batch tilings
         _check_lookup(fmt, table, torch.randint(0, rows, (n,), device="cuda"), cols, torch.bfloat16)
-    empty = kernels.lookup(fmt, table, torch.zeros(0, 4, dtype=torch.long, device="cuda"), cols, torch.bfloat16)
+    empty = kernels.lookup(
+        fmt, table, torch.zeros(0, 4, dtype=torch.long, device="cuda"), cols, torch.bfloat16
+    )
     assert empty.shape == (0, 4, cols)
-    assert kernels.lookup(fmt, table, torch.ones(3, dtype=torch.long, device="cuda"), cols,
-                          torch.bfloat16).is_cuda
+    assert kernels.lookup(
+        fmt, table, torch.ones(3, dtype=torch.long, device="cuda"), cols, torch.bfloat16
+    ).is_cuda
     if shape != SHAPES[0]:
         return
     # Output dtypes, int32 ids, batch dimensions, and tilings the heuristics may not pick.
@@ -235,7 +243,9 @@ def test_gpu_lookup_bit_exact(fmt, shape):
 
 
 @cuda
-@pytest.mark.parametrize("fmt", [VARIANTS[0], VARIANTS[7], VARIANTS[6], VARIANTS[12]], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [VARIANTS[0], VARIANTS[7], VARIANTS[6], VARIANTS[12]], ids=lambda f: f.name
+)
 def test_gpu_lookup_cuda_graph(fmt):
     rows, cols = 500, 2560
     table = table_for(fmt, rows, cols, device="cuda")
@@ -292,9 +302,15 @@ def test_gpu_linear_split_k_and_graph():
 @cuda
 @pytest.mark.parametrize(
     "fmt",
-    [IntFormat("i8", 8, None), IntFormat("i8", 8, 32), IntFormat("i8", 8, 128),
-     IntFormat("i8a", 8, 64, symmetric=False), IntFormat("i8a", 8, None, symmetric=False),
-     Fp8Format("f8", None), Fp8Format("f8", 32)],
+    [
+        IntFormat("i8", 8, None),
+        IntFormat("i8", 8, 32),
+        IntFormat("i8", 8, 128),
+        IntFormat("i8a", 8, 64, symmetric=False),
+        IntFormat("i8a", 8, None, symmetric=False),
+        Fp8Format("f8", None),
+        Fp8Format("f8", 32),
+    ],
     ids=lambda f: f"{f.name}-{f.group_size}",
 )
 @pytest.mark.parametrize("cols", [576, 100, 5120])
@@ -357,7 +373,9 @@ def test_gpu_host_view_is_zero_copy_exact_and_capturable():
 
 
 @cuda
-@pytest.mark.parametrize("bits, symmetric, group", [(8, True, 64), (5, False, 32), (4, False, 64), (4, True, 128)])
+@pytest.mark.parametrize(
+    "bits, symmetric, group", [(8, True, 64), (5, False, 32), (4, False, 64), (4, True, 128)]
+)
 def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
     """The Triton group kernel does what the torch loop does: the same levels, but for rare
     values where a fused multiply-add moves a carried error across a rounding boundary."""
@@ -368,18 +386,41 @@ def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
     cols, rows = 320, 3000
     h = torch.randn(4 * cols, 16, generator=gen) @ torch.randn(16, cols, generator=gen)
     h += torch.randn(4 * cols, cols, generator=gen)
-    factor = ColumnImportance.from_second_moment(h.T @ h / h.shape[0], joint=True).inverse_factor.cuda()
+    factor = ColumnImportance.from_second_moment(
+        h.T @ h / h.shape[0], joint=True
+    ).inverse_factor.cuda()
     values = (torch.randn(rows, cols, generator=gen) * 0.02).cuda()
     fmt = IntFormat("x", bits, group, symmetric=symmetric)
     packed = fmt.quantize(values)  # plain scales: any fixed scales will do
     scales = packed.scales.float()
     mins = None if packed.mins is None else packed.mins.float()
-    fast = round_jointly(values, scales, mins, factor, group, bits, symmetric,
-                         round_group=kernels.round_group_jointly_fast)
-    step, low = scales[:, 0].contiguous(), torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous()
+    fast = round_jointly(
+        values,
+        scales,
+        mins,
+        factor,
+        group,
+        bits,
+        symmetric,
+        round_group=kernels.round_group_jointly_fast,
+    )
+    step, low = (
+        scales[:, 0].contiguous(),
+        torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous(),
+    )
     # Whole groups: compare the first group exactly as the loop computes it.
-    ref_levels, ref_carried = round_group_jointly_torch(values[:, :group], step, low, factor[:group, :group], bits, symmetric)
+    ref_levels, ref_carried = round_group_jointly_torch(
+        values[:, :group], step, low, factor[:group, :group], bits, symmetric
+    )
     assert (fast[:, :group] == ref_levels).float().mean() > 0.999
     # And the whole table, through every group's carried errors, against the loop on the CPU.
-    cpu = round_jointly(values.cpu(), scales.cpu(), None if mins is None else mins.cpu(), factor.cpu(), group, bits, symmetric)
+    cpu = round_jointly(
+        values.cpu(),
+        scales.cpu(),
+        None if mins is None else mins.cpu(),
+        factor.cpu(),
+        group,
+        bits,
+        symmetric,
+    )
     assert (fast.cpu() == cpu).float().mean() > 0.99

@@ -37,8 +37,14 @@ def _imports() -> dict[str, set[str]]:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 prefix = ".".join(base + ([node.module] if node.module else []))
                 # `from . import x` may name a module: count it as that module.
-                targets = [f"{prefix}.{alias.name}" for alias in node.names] if not node.module else [prefix]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_embed_plugin"):
+                targets = (
+                    [f"{prefix}.{alias.name}" for alias in node.names]
+                    if not node.module
+                    else [prefix]
+                )
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "vllm_embed_plugin"
+            ):
                 targets = [node.module]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names if a.name.startswith("vllm_embed_plugin")]
@@ -98,6 +104,8 @@ def test_registering_the_plugin_loads_no_tool():
         """
     )
     env = {**os.environ, "VLLM_EMBED_FORMAT": "int8"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[]"

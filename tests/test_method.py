@@ -18,7 +18,9 @@ from vllm_embed_plugin.method import CompactEmbeddingMethod
 def make_layer(rows=512, cols=256, seed=0):
     layer = torch.nn.Module()
     g = torch.Generator().manual_seed(seed)
-    layer.weight = Parameter((torch.randn(rows, cols, generator=g) * 0.02).bfloat16(), requires_grad=False)
+    layer.weight = Parameter(
+        (torch.randn(rows, cols, generator=g) * 0.02).bfloat16(), requires_grad=False
+    )
     return layer
 
 
@@ -65,7 +67,9 @@ def faulty_layers():
 @pytest.mark.parametrize("case", ["nan-row", "inf-row", "oom-midway"])
 def test_failed_conversion_with_fail_raises_and_leaves_layer_untouched(case, monkeypatch):
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
     before = layer.weight.detach().clone()
     method = CompactEmbeddingMethod(fmt, "embed", on_error="fail")
     with pytest.raises(ConversionError, match="left unchanged.*VLLM_EMBED_ON_ERROR=keep"):
@@ -81,14 +85,18 @@ def test_failed_conversion_with_keep_serves_bf16(case, monkeypatch, caplog):
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
     before = layer.weight.detach().clone()
     layer.quant_method = CompactEmbeddingMethod(fmt, "embed", on_error="keep")
     layer.quant_method.process_weights_after_loading(layer)
     assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)
     assert torch.equal(layer.weight.view(torch.int16), before.view(torch.int16))
     ids = torch.tensor([1, 2, 3])
-    assert torch.equal(layer.quant_method.embedding(layer, ids).view(torch.int16), before[ids].view(torch.int16))
+    assert torch.equal(
+        layer.quant_method.embedding(layer, ids).view(torch.int16), before[ids].view(torch.int16)
+    )
     assert memory.pending() == 0
 
 

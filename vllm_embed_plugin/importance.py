@@ -44,8 +44,11 @@ def save(path: str | Path, moment: torch.Tensor, meta: dict) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({TENSOR: moment.float().contiguous()}, str(path),
-              metadata={k: json.dumps(v) for k, v in meta.items()})
+    save_file(
+        {TENSOR: moment.float().contiguous()},
+        str(path),
+        metadata={k: json.dumps(v) for k, v in meta.items()},
+    )
     return path
 
 
@@ -61,15 +64,20 @@ def load_moment(path: str | Path) -> torch.Tensor:
         raise ImportanceError(f"{str(path)!r} is not a readable importance file ({exc})") from None
     moment = tensors.get(TENSOR)
     if moment is None:
-        raise ImportanceError(f"{str(path)!r} holds no {TENSOR!r} tensor (make it with "
-                              "`vllm-embed-plugin calibrate MODEL`)")
+        raise ImportanceError(
+            f"{str(path)!r} holds no {TENSOR!r} tensor (make it with "
+            "`vllm-embed-plugin calibrate MODEL`)"
+        )
     moment = moment.float()
     if moment.dim() != 2 or moment.shape[0] != moment.shape[1]:
-        raise ImportanceError(f"{str(path)!r} holds a {tuple(moment.shape)} tensor, not a square "
-                              "second moment")
+        raise ImportanceError(
+            f"{str(path)!r} holds a {tuple(moment.shape)} tensor, not a square second moment"
+        )
     if not bool(torch.isfinite(moment).all()) or not bool((moment.diagonal() > 0).all()):
-        raise ImportanceError(f"{str(path)!r} holds values that are not finite, or a column "
-                              "whose importance is not positive")
+        raise ImportanceError(
+            f"{str(path)!r} holds values that are not finite, or a column "
+            "whose importance is not positive"
+        )
     return moment
 
 
@@ -80,13 +88,16 @@ def load(path: str | Path, cols: int, joint: bool) -> ColumnImportance:
     Raises ImportanceError, naming the file and what is wrong, if it cannot serve this table."""
     moment = load_moment(path)
     if moment.shape != (cols, cols):
-        raise ImportanceError(f"{str(path)!r} is {tuple(moment.shape)}, but this table has {cols} "
-                              "columns: it was measured on another model")
+        raise ImportanceError(
+            f"{str(path)!r} is {tuple(moment.shape)}, but this table has {cols} "
+            "columns: it was measured on another model"
+        )
     try:
         return ColumnImportance.from_second_moment(moment, joint)
     except torch.linalg.LinAlgError:
-        raise ImportanceError(f"{str(path)!r} is not a second moment (not positive "
-                              "definite)") from None
+        raise ImportanceError(
+            f"{str(path)!r} is not a second moment (not positive definite)"
+        ) from None
 
 
 def read_meta(path: str | Path) -> dict:

@@ -30,8 +30,14 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
 
-    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False,
-                 importance: ColumnImportance | None = None):
+    def __init__(
+        self,
+        fmt: TableFormat,
+        label: str,
+        on_error: str = "fail",
+        on_host: bool = False,
+        importance: ColumnImportance | None = None,
+    ):
         self.fmt = fmt
         #: How the compiled forward names the format to the kernels' custom ops.
         self.fmt_key = kernels.register_format(fmt)
@@ -90,10 +96,13 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             self.label,
             rows,
             cols,
-            self.fmt.describe(cols) + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
+            self.fmt.describe(cols)
+            + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
             weight.numel() * weight.element_size() / GiB,
             packed.nbytes / GiB,
-            "pinned host memory (0 GiB of GPU memory)" if self.on_host else f"{weight.device.type} memory",
+            "pinned host memory (0 GiB of GPU memory)"
+            if self.on_host
+            else f"{weight.device.type} memory",
             time.perf_counter() - started,
         )
         del weight
@@ -109,7 +118,9 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         quantize_table(weight, self.fmt, out=host, importance=self.importance)
         return host.map(get_accelerator_view_from_cpu_tensor), host
 
-    def _install(self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None) -> None:
+    def _install(
+        self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None
+    ) -> None:
         """Swap the BF16 table for the packed one (and point tied heads at it)."""
         layer.embedding_dtype = layer.weight.dtype
         layer.embedding_cols = layer.weight.shape[1]
@@ -140,10 +151,13 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         )
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return kernels.lookup(self.fmt_key, self.packed(layer), input_, layer.embedding_cols,
-                              layer.embedding_dtype)
+        return kernels.lookup(
+            self.fmt_key, self.packed(layer), input_, layer.embedding_cols, layer.embedding_dtype
+        )
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
         logits = kernels.linear(self.fmt_key, self.packed(layer), x, layer.embedding_cols)
         return logits if bias is None else logits + bias
@@ -165,6 +179,8 @@ class TiedHeadMethod(QuantizeMethodBase):
     def create_weights(self, layer, *args, **kwargs):
         raise RuntimeError("a tied head has no weights of its own")
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         owner = self.table_owner
         return owner.quant_method.apply(owner, x, bias)

@@ -43,7 +43,9 @@ GROUP_SIZES = (16, 32, 64, 128, 256, "row")
 WEIGHTED_SEARCH = 15
 
 
-def make_format(name: str, group_size: int | str | None = None, weighted: bool = False) -> TableFormat:
+def make_format(
+    name: str, group_size: int | str | None = None, weighted: bool = False
+) -> TableFormat:
     """The format called `name`, with its default group size unless one is given; `weighted`:
     a column importance will be passed to `quantize`, so integer formats search their scales."""
     fmt = FORMATS[name] if name in FORMATS else HOST_FORMATS[name]

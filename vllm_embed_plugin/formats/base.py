@@ -23,7 +23,9 @@ class PackedRows:
     mins: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
     def map(self, fn) -> PackedRows:
         """Apply `fn` to every tensor (slice, gather, move)."""
@@ -87,7 +89,8 @@ class ColumnImportance:
         moment = shrink(moment, cls.SHRINK)
         weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
-            moment.shape[0], dtype=moment.dtype, device=moment.device)
+            moment.shape[0], dtype=moment.dtype, device=moment.device
+        )
         inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
         return cls(weights, torch.linalg.cholesky(inverse, upper=True).float())
 
@@ -105,8 +108,10 @@ def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
 #: (values [n, width], step [n], low [n], factor [width, width], bits, symmetric) ->
 #: (levels, carried errors) [n, width], or None where it does not apply (the torch loop
 #: `formats.integer.round_group_jointly_torch` then runs). The conversion passes a GPU kernel.
-GroupRounder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool],
-                        "tuple[torch.Tensor, torch.Tensor] | None"]
+GroupRounder = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool],
+    "tuple[torch.Tensor, torch.Tensor] | None",
+]
 
 
 class TableFormat(ABC):
@@ -120,8 +125,12 @@ class TableFormat(ABC):
         """Stored bits per table element, scales and minimums included."""
 
     @abstractmethod
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None,
-                 round_group: GroupRounder | None = None) -> PackedRows:
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
         """Quantize float rows [n, cols] (any float dtype) into packed rows. `importance`
         steers the formats that search their scales; the others ignore it. `round_group`: a
         faster rounding of one group for the joint (GPTQ) rounding, such as a GPU kernel;

@@ -78,8 +78,12 @@ class IntFormat(TableFormat):
 
     # -- quantize / dequantize ----------------------------------------------------------
 
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None,
-                 round_group: GroupRounder | None = None) -> PackedRows:
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
         """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
         (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
         choice (GPTQ), one group at a time by `round_group` where given. None weighs every
@@ -93,20 +97,28 @@ class IntFormat(TableFormat):
         if importance is None:
             col_weight = torch.ones(1, cols, device=rows.device)
         else:
-            col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
+            col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(
+                1, -1
+            )
             if col_weight.shape[1] != cols:
                 raise ValueError(f"importance has {col_weight.shape[1]} weights for {cols} columns")
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if importance is not None and importance.inverse_factor is not None:
-            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor,
-                                                     round_group)
+            levels, scale, mins = self._fit_jointly(
+                rows.float(), weight, importance.inverse_factor, round_group
+            )
         else:
-            levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
+            levels, scale, mins = self._fit(
+                _pad_cols(rows.float(), groups * g).view(n, groups, g), weight
+            )
             levels = levels.reshape(n, groups * g)[:, :cols]
         codes = pack_bits(levels, self.bits)
-        return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
-                          mins=None if mins is None else mins.to(self.scale_dtype))
+        return PackedRows(
+            codes=codes,
+            scales=scale.to(self.scale_dtype),
+            mins=None if mins is None else mins.to(self.scale_dtype),
+        )
 
     def _fit(self, x: torch.Tensor, weight: torch.Tensor):
         """(levels, scale, mins or None) for groups x [n, G, g], each value at its nearest level."""
@@ -115,8 +127,13 @@ class IntFormat(TableFormat):
             return levels, scale, None
         return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
 
-    def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor,
-                     round_group: GroupRounder | None = None):
+    def _fit_jointly(
+        self,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        inverse_factor: torch.Tensor,
+        round_group: GroupRounder | None = None,
+    ):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded in order, each column's error (scaled by the inverse
@@ -125,8 +142,16 @@ class IntFormat(TableFormat):
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
-        levels = round_jointly(rows, scale, mins, inverse_factor.to(rows.device, torch.float32),
-                               g, self.bits, self.symmetric, round_group)
+        levels = round_jointly(
+            rows,
+            scale,
+            mins,
+            inverse_factor.to(rows.device, torch.float32),
+            g,
+            self.bits,
+            self.symmetric,
+            round_group,
+        )
         return levels, scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +181,9 @@ def _fit_symmetric(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, sca
     # A product with the float32 reciprocal, as the fused GPU kernel computes it.
     scale = signed_max.abs() * (1.0 / (nmax - 1)) if bits >= 5 else signed_max / -nmax
     if search:
-        candidates = [scale] + [signed_max / -(nmax + 0.1 * step) for step in range(-search, search + 1)]
+        candidates = [scale] + [
+            signed_max / -(nmax + 0.1 * step) for step in range(-search, search + 1)
+        ]
         best_score = None
         for candidate in candidates:
             levels = torch.round(x * _safe_inv(candidate)).clamp_(-nmax, nmax - 1)
@@ -212,9 +239,16 @@ def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_
     return _round_affine((x - mins) * _safe_inv(scale), bits), scale.squeeze(-1), mins.squeeze(-1)
 
 
-def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-                  factor: torch.Tensor, group: int, bits: int, symmetric: bool,
-                  round_group: GroupRounder | None = None) -> torch.Tensor:
+def round_jointly(
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    factor: torch.Tensor,
+    group: int,
+    bits: int,
+    symmetric: bool,
+    round_group: GroupRounder | None = None,
+) -> torch.Tensor:
     """Levels [n, cols] for float32 rows with fixed group scales [n, groups] (and minimums),
     rounded column by column with GPTQ's error feedback through the upper `factor` [cols, cols].
 
@@ -230,14 +264,22 @@ def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | 
         low = torch.zeros_like(step) if mins is None else mins[:, k].contiguous()
         args = (work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
         rounded = round_group(*args) if round_group is not None else None
-        levels[:, a:b], carried = rounded if rounded is not None else round_group_jointly_torch(*args)
+        levels[:, a:b], carried = (
+            rounded if rounded is not None else round_group_jointly_torch(*args)
+        )
         if b < cols:
             work[:, b:] -= carried @ factor[a:b, b:]
     return levels
 
 
-def round_group_jointly_torch(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                              factor: torch.Tensor, bits: int, symmetric: bool):
+def round_group_jointly_torch(
+    values: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    factor: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+):
     values = values.clone()
     width = values.shape[1]
     inv = _safe_inv(step)
@@ -265,7 +307,9 @@ def _round_affine(scaled: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _safe_inv(t: torch.Tensor) -> torch.Tensor:
     """1/t, and 0 where t is 0 (all-zero groups quantize to zero codes)."""
-    return torch.where(t != 0, 1.0 / torch.where(t != 0, t, torch.ones_like(t)), torch.zeros_like(t))
+    return torch.where(
+        t != 0, 1.0 / torch.where(t != 0, t, torch.ones_like(t)), torch.zeros_like(t)
+    )
 
 
 def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ def special_prefix(tokenizer) -> list[int]:
     probe = " the"
     with_special = tokenizer(probe)["input_ids"]
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    if with_special[-len(plain):] == plain:
+    if with_special[-len(plain) :] == plain:
         return with_special[: len(with_special) - len(plain)]
     return []
 
@@ -57,9 +57,15 @@ def spread_windows(tokenizer, text: str, window: int, count: int) -> torch.Tenso
 
 
 @torch.inference_mode()
-def measure(model_path: str | Path, text: str, *, window: int = DEFAULT_WINDOW,
-            max_positions: int = DEFAULT_POSITIONS,
-            device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+def measure(
+    model_path: str | Path,
+    text: str,
+    *,
+    window: int = DEFAULT_WINDOW,
+    max_positions: int = DEFAULT_POSITIONS,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, dict]:
     """(M [cols, cols], metadata) of the checkpoint at `model_path`, measured on `text`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -44,23 +44,32 @@ def _installation(settings) -> list[str]:
 
     lines = []
     dists = metadata.packages_distributions().get("vllm", [])
-    dist = f" (distribution {', '.join(f'{d} {metadata.version(d)}' for d in dists)})" if dists else ""
+    dist = (
+        f" (distribution {', '.join(f'{d} {metadata.version(d)}' for d in dists)})" if dists else ""
+    )
     support = detect()
     lines.append(f"vllm: {support.version or 'not installed'}{dist}")
     lines.append(f"vllm: {support.describe(settings.untested_vllm)}")
-    ours = [ep for ep in metadata.entry_points(group="vllm.general_plugins")
-            if ep.value.split(":")[0] == PACKAGE]
+    ours = [
+        ep
+        for ep in metadata.entry_points(group="vllm.general_plugins")
+        if ep.value.split(":")[0] == PACKAGE
+    ]
     if not ours:
-        lines.append("entry point: none in vllm.general_plugins: vLLM will not load this plugin "
-                     "(install the package, e.g. pip install vllm-embed-plugin)")
+        lines.append(
+            "entry point: none in vllm.general_plugins: vLLM will not load this plugin "
+            "(install the package, e.g. pip install vllm-embed-plugin)"
+        )
     for ep in ours:
         where = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
         where += f", {Path(__file__).parent.parent}"
         lines.append(f"entry point: vllm.general_plugins {ep.name} = {ep.value} ({where})")
         allowed = os.environ.get("VLLM_PLUGINS")
         if allowed is not None and ep.name not in allowed.split(","):
-            lines.append(f"entry point: VLLM_PLUGINS={allowed!r} does not name {ep.name!r}: "
-                         "vLLM will not load this plugin")
+            lines.append(
+                f"entry point: VLLM_PLUGINS={allowed!r} does not name {ep.name!r}: "
+                "vLLM will not load this plugin"
+            )
     return lines
 
 
@@ -75,7 +84,9 @@ def cmd_plan(args) -> int:
     info, rows = plan(config, args.max_model_len, args.tensor_parallel_size, args.kv_cache_dtype)
     layout = info["layout"]
     print(f"model: {args.model}")
-    print(f"token table: {info['table']}, LM head {'tied (one table serves both)' if info['tied'] else 'untied'}")
+    print(
+        f"token table: {info['table']}, LM head {'tied (one table serves both)' if info['tied'] else 'untied'}"
+    )
     print(
         f"KV cache: {info['kv_bytes_per_token']} bytes per token per GPU "
         f"({layout.layers} layers x {layout.kv_heads} KV heads x {layout.head_dim} x 2 x {layout.dtype_bytes} B"
@@ -121,17 +132,24 @@ def cmd_calibrate(args) -> int:
         torch.set_num_threads(args.threads)
     window = args.window or calibrate.DEFAULT_WINDOW
     positions = args.positions or calibrate.DEFAULT_POSITIONS
-    moment, meta = calibrate.measure(path, corpus.read_text(encoding="utf-8"), window=window,
-                                      max_positions=positions, device=args.device,
-                                      dtype=getattr(torch, args.dtype))
+    moment, meta = calibrate.measure(
+        path,
+        corpus.read_text(encoding="utf-8"),
+        window=window,
+        max_positions=positions,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+    )
     meta["corpus"] = str(corpus)
     out = args.out or calibrate.DEFAULT_DIR / f"{path.name}.safetensors"
     importance.save(out, moment, meta)
     values = moment.diagonal()
     top = values.topk(min(4, values.numel()))
-    print(f"measured E[h h^T] on {meta['positions']} positions of {corpus}; column importance "
-          f"largest {', '.join(f'{v:.3g} (column {i})' for v, i in zip(top.values.tolist(), top.indices.tolist()))}, "
-          f"median {values.median().item():.3g}")
+    print(
+        f"measured E[h h^T] on {meta['positions']} positions of {corpus}; column importance "
+        f"largest {', '.join(f'{v:.3g} (column {i})' for v, i in zip(top.values.tolist(), top.indices.tolist()))}, "
+        f"median {values.median().item():.3g}"
+    )
     print(f"wrote {out}; use it with:")
     print(f"  VLLM_EMBED_IMPORTANCE={out}")
     return 0
@@ -160,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"vllm-embed-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="validate VLLM_EMBED_* and the config file; show the vLLM found and each decision")
+    check = sub.add_parser(
+        "check",
+        help="validate VLLM_EMBED_* and the config file; show the vLLM found and each decision",
+    )
     check.add_argument("model", nargs="*", help="model names or paths as given to vLLM")
     check.set_defaults(func=cmd_check)
 
@@ -169,36 +190,69 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpu-memory-gib", type=float, default=24.0)
     plan.add_argument("--max-model-len", type=int, default=8192)
     plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                      help="as vLLM's --kv-cache-dtype ('auto': the model's dtype)")
+    plan.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="as vLLM's --kv-cache-dtype ('auto': the model's dtype)",
+    )
     plan.set_defaults(func=cmd_plan)
 
-    evaluate = sub.add_parser("eval", help="fidelity report (KL divergence vs BF16) on a real model", add_help=False)
+    evaluate = sub.add_parser(
+        "eval", help="fidelity report (KL divergence vs BF16) on a real model", add_help=False
+    )
     evaluate.add_argument("eval_args", nargs=argparse.REMAINDER)
     evaluate.set_defaults(func=cmd_eval)
 
-    demo = sub.add_parser("demo", help="chat with a real model in vLLM, plugin off then on", add_help=False)
+    demo = sub.add_parser(
+        "demo", help="chat with a real model in vLLM, plugin off then on", add_help=False
+    )
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=cmd_demo)
 
     calibrate_cmd = sub.add_parser(
-        "calibrate", help="measure a model's column importance once; the scale search then uses it")
-    calibrate_cmd.add_argument("model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m")
-    calibrate_cmd.add_argument("--out", type=Path, default=None,
-                           help="file to write (default: the cache, named after the model directory)")
-    calibrate_cmd.add_argument("--corpus", type=Path, default=None,
-                           help="plain text (default: the packaged corpus of prose, code and chat "
-                           "in several languages)")
-    calibrate_cmd.add_argument("--positions", type=int, default=None,
-                           help="tokens to measure on, in windows spread over the whole corpus "
-                           "(default 16384: all of the packaged corpus)")
-    calibrate_cmd.add_argument("--window", type=int, default=None, help="tokens per window (default 512)")
-    calibrate_cmd.add_argument("--device", default="cpu", help="torch device for the forward pass, e.g. cuda")
-    calibrate_cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    calibrate_cmd.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        "calibrate", help="measure a model's column importance once; the scale search then uses it"
+    )
+    calibrate_cmd.add_argument(
+        "model", help="model directory (a Hugging Face checkpoint), smollm2 or gemma3-270m"
+    )
+    calibrate_cmd.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="file to write (default: the cache, named after the model directory)",
+    )
+    calibrate_cmd.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="plain text (default: the packaged corpus of prose, code and chat "
+        "in several languages)",
+    )
+    calibrate_cmd.add_argument(
+        "--positions",
+        type=int,
+        default=None,
+        help="tokens to measure on, in windows spread over the whole corpus "
+        "(default 16384: all of the packaged corpus)",
+    )
+    calibrate_cmd.add_argument(
+        "--window", type=int, default=None, help="tokens per window (default 512)"
+    )
+    calibrate_cmd.add_argument(
+        "--device", default="cpu", help="torch device for the forward pass, e.g. cuda"
+    )
+    calibrate_cmd.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"]
+    )
+    calibrate_cmd.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
     calibrate_cmd.set_defaults(func=cmd_calibrate)
 
-    prepare = sub.add_parser("prepare-model", help="build the cached BF16 checkpoint of a real model")
+    prepare = sub.add_parser(
+        "prepare-model", help="build the cached BF16 checkpoint of a real model"
+    )
     prepare.add_argument("name", help="smollm2 or gemma3-270m")
     prepare.set_defaults(func=cmd_prepare)
 

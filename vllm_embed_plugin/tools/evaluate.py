@@ -74,8 +74,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
-HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt"
-                      for name in ("code", "prose", "chat"))
+HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat"))
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
@@ -136,8 +135,9 @@ def _format_label(fmt: TableFormat) -> str:
     return f"int{fmt.bits} {kind} {group}{search}"
 
 
-def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool,
-                      joint: bool = False) -> Roundtrip:
+def _plugin_roundtrip(
+    fmt: TableFormat, cols: int, shift: int, weighted: bool, joint: bool = False
+) -> Roundtrip:
     def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
         weights = None
         if weighted:
@@ -153,8 +153,15 @@ def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool,
     return roundtrip
 
 
-def plugin_row(fmt: TableFormat, cols: int, *, shift: int = 0, weighted: bool = False,
-               joint: bool = False, label: str | None = None) -> Candidate:
+def plugin_row(
+    fmt: TableFormat,
+    cols: int,
+    *,
+    shift: int = 0,
+    weighted: bool = False,
+    joint: bool = False,
+    label: str | None = None,
+) -> Candidate:
     """A plugin format. `shift` moves its groups off column 0 (the honest test on a table
     that was stored on aligned blocks before); `weighted` passes the measured column importance
     to the scale search, and `joint` also rounds each row jointly against it (GPTQ; what the
@@ -184,8 +191,9 @@ def llama_cpp_row(type_name: str, cols: int, *, shift: int = 0) -> Candidate:
     label = f"llama.cpp {type_name}" + (f", blocks shifted {shift}" if shift else "")
     bpw = type_size * 8 / block
     if cols % block:
-        return Candidate(label, None, None, "llama.cpp",
-                         f"rows of {cols} are not a multiple of {block}")
+        return Candidate(
+            label, None, None, "llama.cpp", f"rows of {cols} are not a multiple of {block}"
+        )
     try:
         gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
     except NotImplementedError:
@@ -199,8 +207,14 @@ def llama_cpp_row(type_name: str, cols: int, *, shift: int = 0) -> Candidate:
     return Candidate(label, bpw, lambda table, _: _chunked(table, one), "llama.cpp")
 
 
-def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat | None = None,
-                weighted: bool = False) -> Candidate:
+def outlier_row(
+    base: IntFormat,
+    share: float,
+    cols: int,
+    *,
+    high: TableFormat | None = None,
+    weighted: bool = False,
+) -> Candidate:
     """Experiment (no such storage exists): the `share` of rows whose `base` error is largest
     (importance-weighted squared error) kept in `high` (default int8 symmetric group-32) instead.
     The cost counted: those rows at `high`'s bits instead of `base`'s, plus a 32-bit row index
@@ -221,8 +235,10 @@ def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat |
         lossy[rows] = high_rt(table[rows], moment)
         return lossy
 
-    label = (f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
-             f"+ {share:.0%} outlier rows in {_format_label(high)}")
+    label = (
+        f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
+        f"+ {share:.0%} outlier rows in {_format_label(high)}"
+    )
     return Candidate(label, bpw, roundtrip, "experiment")
 
 
@@ -266,10 +282,13 @@ def grid(name: str, cols: int) -> list[Candidate]:
         plugin_row(Fp8Format("fp8", None), cols),
     ]
     if name == "quick":
-        return [identity_row(cols), llama_cpp_row("Q8_0", cols, shift=SHIFT),
-                plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
-                plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
-                llama_cpp_row("Q4_0", cols)]
+        return [
+            identity_row(cols),
+            llama_cpp_row("Q8_0", cols, shift=SHIFT),
+            plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
+            plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+            llama_cpp_row("Q4_0", cols),
+        ]
     if name == "anchors":
         return anchors
     if name == "plugin":
@@ -289,10 +308,16 @@ def grid(name: str, cols: int) -> list[Candidate]:
                 searched = make_format(name, weighted=True)
                 # An untied table given a file is converted exactly as without one
                 # (ColumnImportance.lookup_only): its row would repeat the plain one.
-                tied = (f"**{name} + importance, tied**: {_format_label(searched)}, "
-                        "rows rounded jointly")
-                rows.append(keyed(plugin_row(searched, cols, weighted=True, joint=True,
-                                             label=tied), f"{name}+tied"))
+                tied = (
+                    f"**{name} + importance, tied**: {_format_label(searched)}, "
+                    "rows rounded jointly"
+                )
+                rows.append(
+                    keyed(
+                        plugin_row(searched, cols, weighted=True, joint=True, label=tied),
+                        f"{name}+tied",
+                    )
+                )
         return rows + [keyed(llama_cpp_row(t, cols), t) for t in ("Q5_1", "Q4_0")]
     if name == "8bit":
         return [
@@ -329,8 +354,10 @@ SECTIONS = {
     "quick": [("Original table", "quick", False)],
     "anchors": [("Original table", "anchors", False)],
     "plugin": [("Original table", "plugin", False)],
-    "full": [("Original table", "full", False),
-             ("8-bit class on the de-gridded table", "8bit", True)],
+    "full": [
+        ("Original table", "full", False),
+        ("8-bit class on the de-gridded table", "8bit", True),
+    ],
 }
 
 
@@ -348,8 +375,11 @@ class ModeStats:
     @property
     def spread(self) -> tuple[float, float]:
         """(lowest, highest) mean KLD of one window."""
-        return (min(self.window_klds), max(self.window_klds)) if self.window_klds else (
-            self.kld_mean, self.kld_mean)
+        return (
+            (min(self.window_klds), max(self.window_klds))
+            if self.window_klds
+            else (self.kld_mean, self.kld_mean)
+        )
 
     @property
     def kld_std(self) -> float:
@@ -357,16 +387,19 @@ class ModeStats:
         return float(torch.tensor(self.window_klds).std()) if len(self.window_klds) > 1 else 0.0
 
 
-def mode_stats(kld: torch.Tensor, agree: torch.Tensor,
-               bounds: Sequence[tuple[int, int]]) -> ModeStats:
+def mode_stats(
+    kld: torch.Tensor, agree: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> ModeStats:
     """Statistics of per-position KLDs and top-1 agreements over the windows at `bounds`
     ((start, end) positions, in order; together they cover what is summarised)."""
     kld = torch.cat([kld[s:e] for s, e in bounds])
     agree = torch.cat([agree[s:e] for s, e in bounds])
-    return ModeStats(kld.mean().item(), torch.quantile(kld, 0.99).item(),
-                     agree.float().mean().item(),
-                     tuple(kld_w.mean().item() for kld_w in
-                           torch.split(kld, [e - s for s, e in bounds])))
+    return ModeStats(
+        kld.mean().item(),
+        torch.quantile(kld, 0.99).item(),
+        agree.float().mean().item(),
+        tuple(kld_w.mean().item() for kld_w in torch.split(kld, [e - s for s, e in bounds])),
+    )
 
 
 @dataclass(frozen=True)
@@ -394,12 +427,20 @@ class FidelityRun:
     on `calibration` text (default: the packaged calibration corpus) as `calibrate` measures it;
     it never sees the evaluation windows unless the same text is passed for both."""
 
-    def __init__(self, model_path: str | Path, domains: Mapping[str, str] | str, *,
-                 window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
-                 second_moment: torch.Tensor | None = None, calibration: str | None = None,
-                 calibration_window: int = calibrate.DEFAULT_WINDOW,
-                 calibration_positions: int = calibrate.DEFAULT_POSITIONS,
-                 degrid_table: bool = False, progress: bool = True):
+    def __init__(
+        self,
+        model_path: str | Path,
+        domains: Mapping[str, str] | str,
+        *,
+        window: int = DEFAULT_WINDOW,
+        windows: int = DEFAULT_WINDOWS,
+        second_moment: torch.Tensor | None = None,
+        calibration: str | None = None,
+        calibration_window: int = calibrate.DEFAULT_WINDOW,
+        calibration_positions: int = calibrate.DEFAULT_POSITIONS,
+        degrid_table: bool = False,
+        progress: bool = True,
+    ):
         """`domains`: name -> text (a bare text is one domain, "text"); `windows` windows of
         `window` tokens are spread over each. `degrid_table`: replace the model's token table by
         `degrid(table)` first (the reference included)."""
@@ -444,8 +485,9 @@ class FidelityRun:
             text = calibration
             if text is None:
                 text = calibrate.default_corpus().read_text(encoding="utf-8")
-            calib = calibrate.spread_windows(tokenizer, text, calibration_window,
-                                              calibration_positions // calibration_window)
+            calib = calibrate.spread_windows(
+                tokenizer, text, calibration_window, calibration_positions // calibration_window
+            )
             #: M = E[h h^T] of the final hidden state (importance.py).
             second_moment = calibrate.second_moment(self._hidden(self.table, "importance", calib))
             self.calibration_positions = calib.numel()
@@ -454,7 +496,8 @@ class FidelityRun:
         if second_moment.shape != (self.cols, self.cols):
             raise importance.ImportanceError(
                 f"the importance is {tuple(second_moment.shape)}, but this table has {self.cols} "
-                "columns: it was measured on another model")
+                "columns: it was measured on another model"
+            )
         self.second_moment = second_moment.float()
         self.importance = self.second_moment.diagonal().clamp_min(1e-12)
         self._check_logits()
@@ -488,8 +531,9 @@ class FidelityRun:
         return z
 
     @torch.inference_mode()
-    def _hidden(self, table: torch.Tensor, desc: str,
-                windows: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _hidden(
+        self, table: torch.Tensor, desc: str, windows: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Final hidden states [positions, cols] of `windows` (default: the evaluation windows,
         one after the other) with `table` as the input table."""
         original = self.embedding.weight.data
@@ -509,8 +553,10 @@ class FidelityRun:
         theirs = self.model(input_ids=ids).logits[0]
         ours = self._logits(self.h_ref[: ids.shape[1]], self.head)
         if not torch.allclose(theirs, ours, atol=1e-3, rtol=1e-3):
-            raise RuntimeError("final hidden states @ head^T do not reproduce the model's logits; "
-                               "this architecture needs support in evaluate.py")
+            raise RuntimeError(
+                "final hidden states @ head^T do not reproduce the model's logits; "
+                "this architecture needs support in evaluate.py"
+            )
 
     @torch.inference_mode()
     def evaluate(self, candidate: Candidate) -> Result:
@@ -524,9 +570,14 @@ class FidelityRun:
             modes["tied"] = lossy
         kld = {m: torch.empty(self.positions) for m in modes}
         agree = {m: torch.empty(self.positions, dtype=torch.bool) for m in modes}
-        for s, lp_ref in _progress(list(self._reference_chunks()) if self._ref_cache is not None
-                                   else self._reference_chunks(), "logits", self.progress,
-                                   total=math.ceil(self.positions / self.chunk)):
+        for s, lp_ref in _progress(
+            list(self._reference_chunks())
+            if self._ref_cache is not None
+            else self._reference_chunks(),
+            "logits",
+            self.progress,
+            total=math.ceil(self.positions / self.chunk),
+        ):
             p_ref = lp_ref.exp()
             e = s + lp_ref.shape[0]
             for mode, weight in modes.items():
@@ -719,8 +770,9 @@ def _domain_table(results: Sequence[Result], domains: Sequence[str]) -> list[str
     for r in sorted((r for r in results if r.domains), key=key):
         c = r.candidate
         label = f"*{c.label}*" if c.kind == "llama.cpp" else c.label
-        cells = ([_with_spread(r.domain(d, "tied")) for d in domains]
-                 + [_with_spread(r.domain(d, "input")) for d in domains])
+        cells = [_with_spread(r.domain(d, "tied")) for d in domains] + [
+            _with_spread(r.domain(d, "input")) for d in domains
+        ]
         lines.append(f"| {label} | {c.bpw:.2f} | " + " | ".join(cells) + " |")
     return lines
 
@@ -746,13 +798,22 @@ def _target_table(results: Sequence[Result], domains: Sequence[str]) -> list[str
             verdict = "met" if ratio <= limit else f"**missed by {ratio / limit - 1:.0%}**"
             cells.append(f"{ratio:.2f}x ({low:.2f}–{high:.2f}), {verdict}")
         anchor = ref.candidate.label.replace("**", "")
-        lines.append(f"| {title} <= {limit:g}x {anchor.split(':')[0]} ({mode} KLD) | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {title} <= {limit:g}x {anchor.split(':')[0]} ({mode} KLD) | "
+            + " | ".join(cells)
+            + " |"
+        )
     return lines if len(lines) > 2 else []
 
 
-def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str,
-                    calibration: str = "", date: str | None = None) -> str:
+def render_markdown(
+    reports: Sequence[ModelReport],
+    *,
+    command: str,
+    corpus: str,
+    calibration: str = "",
+    date: str | None = None,
+) -> str:
     date = date or datetime.date.today().isoformat()
     minutes = sum(r.seconds for r in reports) / 60
     out = [
@@ -780,8 +841,11 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
         ]
         for sec in rep.sections:
             domains = list(sec.domains)
-            where = (f"measured here on {sec.calibration_positions} positions"
-                     if sec.calibration_positions is not None else "read from the file")
+            where = (
+                f"measured here on {sec.calibration_positions} positions"
+                if sec.calibration_positions is not None
+                else "read from the file"
+            )
             out += [
                 "",
                 f"### {sec.title}",
@@ -811,10 +875,17 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
 # -- entry points ------------------------------------------------------------------------------
 
 
-def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "plugin",
-                   window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
-                   second_moment: torch.Tensor | None = None, only: str | None = None,
-                   progress: bool = True) -> ModelReport:
+def evaluate_model(
+    model: str,
+    domains: Mapping[str, str],
+    *,
+    grid_name: str = "plugin",
+    window: int = DEFAULT_WINDOW,
+    windows: int = DEFAULT_WINDOWS,
+    second_moment: torch.Tensor | None = None,
+    only: str | None = None,
+    progress: bool = True,
+) -> ModelReport:
     """Evaluate every section of `grid_name` (rows whose label contains `only`, if given) on
     `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
     when None, measured on the packaged calibration corpus as `calibrate` does by default."""
@@ -822,8 +893,15 @@ def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
         started = time.perf_counter()
-        run = FidelityRun(path, domains, window=window, windows=windows,
-                          second_moment=second_moment, degrid_table=degridded, progress=progress)
+        run = FidelityRun(
+            path,
+            domains,
+            window=window,
+            windows=windows,
+            second_moment=second_moment,
+            degrid_table=degridded,
+            progress=progress,
+        )
         rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
         results = []
         for i, cand in enumerate(rows):
@@ -831,17 +909,34 @@ def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "
             r = results[-1]
             if progress and r.input is not None:
                 tied = f", tied {r.tied.kld_mean:.2e}" if r.tied else ""
-                print(f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
-                      f"{cand.bpw:.2f} bpw, input {r.input.kld_mean:.2e}{tied} "
-                      f"({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
+                    f"{cand.bpw:.2f} bpw, input {r.input.kld_mean:.2e}{tied} "
+                    f"({r.seconds:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if report is None:
-            report = ModelReport(model=model, path=str(path), rows=run.rows, cols=run.cols,
-                                 tied=run.tied, sections=[])
-        report.sections.append(Section(
-            title=title, results=results, positions=run.positions,
-            domains={d: len(run.windows_of(d)) for d in run.domain_names}, window=window,
-            calibration_positions=run.calibration_positions, degridded=degridded,
-            seconds=time.perf_counter() - started))
+            report = ModelReport(
+                model=model,
+                path=str(path),
+                rows=run.rows,
+                cols=run.cols,
+                tied=run.tied,
+                sections=[],
+            )
+        report.sections.append(
+            Section(
+                title=title,
+                results=results,
+                positions=run.positions,
+                domains={d: len(run.windows_of(d)) for d in run.domain_names},
+                window=window,
+                calibration_positions=run.calibration_positions,
+                degridded=degridded,
+                seconds=time.perf_counter() - started,
+            )
+        )
         del run
     return report
 
@@ -851,26 +946,45 @@ def _need_file(parser: argparse.ArgumentParser, path: Path | None, flag: str) ->
         parser.exit(2, f"error: {flag} {path}: no such file\n")
 
 
-def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m vllm_embed_plugin.tools.evaluate") -> int:
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m vllm_embed_plugin.tools.evaluate"
+) -> int:
     """The command line; `prog` is how the command that was run is written into the report."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", action="append", required=True,
-                        help="a real model name (smollm2, gemma3-270m) or a checkpoint "
-                        "directory; repeatable")
-    parser.add_argument("--corpus", type=Path, action="append", default=None,
-                        help="plain text to measure on, one domain per file (repeatable; default: "
-                        "the packaged held-out code, technical prose and chat)")
-    parser.add_argument("--importance", type=Path, default=None,
-                        help="a calibration file from `vllm-embed-plugin calibrate` (default: "
-                        "measured here on the packaged calibration corpus, as calibrate does)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a real model name (smollm2, gemma3-270m) or a checkpoint directory; repeatable",
+    )
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        action="append",
+        default=None,
+        help="plain text to measure on, one domain per file (repeatable; default: "
+        "the packaged held-out code, technical prose and chat)",
+    )
+    parser.add_argument(
+        "--importance",
+        type=Path,
+        default=None,
+        help="a calibration file from `vllm-embed-plugin calibrate` (default: "
+        "measured here on the packaged calibration corpus, as calibrate does)",
+    )
     parser.add_argument("--grid", default="plugin", choices=tuple(SECTIONS))
     parser.add_argument("--only", default=None, help="evaluate only rows whose label contains this")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
-    parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
-                        help="windows spread over each domain's text")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=DEFAULT_WINDOWS,
+        help="windows spread over each domain's text",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -884,28 +998,44 @@ def main(argv: Sequence[str] | None = None,
         torch.set_num_threads(args.threads)
     if args.corpus:
         domains = {path.stem: path.read_text(encoding="utf-8") for path in args.corpus}
-        shown = ", ".join(f"`{path}` ({len(text.split())} words)"
-                          for path, text in zip(args.corpus, domains.values()))
+        shown = ", ".join(
+            f"`{path}` ({len(text.split())} words)"
+            for path, text in zip(args.corpus, domains.values())
+        )
     else:
         domains = packaged_domains()
-        shown = ", ".join(f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
-                          for name, text in domains.items())
+        shown = ", ".join(
+            f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
+            for name, text in domains.items()
+        )
     second_moment = None
     if args.importance is not None:
         try:
             second_moment = importance.load_moment(args.importance)
         except importance.ImportanceError as exc:
             parser.exit(2, f"error: --importance {exc}\n")
-    calibration = (f"the calibration file `{args.importance}`" if args.importance is not None
-                   else "the packaged calibration corpus (`data/calibration.txt`), measured as "
-                   "`vllm-embed-plugin calibrate` measures it by default")
+    calibration = (
+        f"the calibration file `{args.importance}`"
+        if args.importance is not None
+        else "the packaged calibration corpus (`data/calibration.txt`), measured as "
+        "`vllm-embed-plugin calibrate` measures it by default"
+    )
     command = " ".join([prog, shlex.join(argv)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     reports = []
     for model in args.model:
-        reports.append(evaluate_model(model, domains, grid_name=args.grid, window=args.window,
-                                      windows=args.windows, second_moment=second_moment,
-                                      only=args.only, progress=not args.no_progress))
+        reports.append(
+            evaluate_model(
+                model,
+                domains,
+                grid_name=args.grid,
+                window=args.window,
+                windows=args.windows,
+                second_moment=second_moment,
+                only=args.only,
+                progress=not args.no_progress,
+            )
+        )
         # Written after every model, so a long run keeps what it has measured.
         md = render_markdown(reports, command=command, corpus=shown, calibration=calibration)
         args.out.write_text(md, encoding="utf-8")

@@ -27,8 +27,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["REAL_MODELS", "RealModel", "RealModelUnavailable", "cache_root", "is_available",
-           "prepare"]
+__all__ = [
+    "REAL_MODELS",
+    "RealModel",
+    "RealModelUnavailable",
+    "cache_root",
+    "is_available",
+    "prepare",
+]
 
 #: Environment variable naming the directory that holds one subdirectory per prepared model.
 CACHE_ENV = "VLLM_EMBED_CACHE"
@@ -240,16 +246,19 @@ def _build(model: RealModel, out: Path, scratch: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=f".{model.name}-gguf-", dir=scratch) as tmp:
             gguf = _locate_gguf(model, Path(tmp))
             kwargs = {"gguf_file": gguf.name}
-            lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16,
-                                                      **kwargs)
+            lm = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), dtype=torch.bfloat16, **kwargs
+            )
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
 
     table = lm.get_input_embeddings().weight
     if tuple(table.shape) != (model.vocab_size, model.hidden_size):
-        raise RuntimeError(f"{model.name}: token table is {tuple(table.shape)}, expected "
-                           f"{(model.vocab_size, model.hidden_size)}")
+        raise RuntimeError(
+            f"{model.name}: token table is {tuple(table.shape)}, expected "
+            f"{(model.vocab_size, model.hidden_size)}"
+        )
     if model.tied and lm.get_output_embeddings().weight.data_ptr() != table.data_ptr():
         raise RuntimeError(f"{model.name}: the LM head does not share the token table")
     not_plain = {p.dtype for p in lm.parameters()} - {torch.bfloat16}
