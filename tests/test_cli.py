@@ -107,6 +107,31 @@ def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
     assert err == f"error: {missing}: no config.json (give a model directory or a config.json)\n"
 
 
+@pytest.mark.parametrize("command", ["calibrate", "eval --model", "demo --model"])
+def test_a_mistyped_model_path_is_one_line(command, tmp_path, capsys):
+    """Neither a directory nor a real model's name: one line naming it and what would do."""
+    from vllm_embed_plugin.tools.cli import main
+
+    missing = tmp_path / "mistyped"
+    assert main([*command.split(), str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: {missing}: no such checkpoint directory, and not a real model name "
+        "(smollm2, gemma3-270m)\n"
+    )
+    assert captured.out == ""
+
+
+def test_an_unknown_real_model_is_one_line(capsys):
+    from vllm_embed_plugin.tools.cli import main
+
+    assert main(["prepare-model", "smollm3"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "error: unknown real model 'smollm3'; known: smollm2, gemma3-270m\n"
+    )
+
+
 def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
     import json
 

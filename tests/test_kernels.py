@@ -190,6 +190,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

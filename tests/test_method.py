@@ -152,3 +152,32 @@ def test_lossless_format_keeps_the_loaded_dtype():
     assert layer.weight.dtype == torch.float32
     ids = torch.tensor([0, 3, 511])
     assert torch.equal(method.embedding(layer, ids), original[ids])
+
+
+def test_a_long_conversion_logs_its_progress(monkeypatch, caplog):
+    """Chunked conversion (here: 4 chunks of 128 rows) logs how far it is, at most once per
+    PROGRESS_SECONDS; with the interval at 0 every chunk but the last says so."""
+    import logging
+
+    monkeypatch.setattr("vllm_embed_plugin.method.PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 128 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
+    method = CompactEmbeddingMethod(make_format("int6"), "model.embed_tokens")
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method.process_weights_after_loading(make_layer(rows=512))
+    lines = [r.getMessage() for r in caplog.records if "rows (" in r.getMessage()]
+    assert lines == [
+        f"vllm-embed-plugin: model.embed_tokens: converting to int6: {done} of 512 rows "
+        f"({done / 5.12:.0f}%), {line.rsplit(', ', 1)[1]}"
+        for done, line in zip((128, 256, 384), lines)
+    ]
+
+
+def test_a_quick_conversion_logs_no_progress(caplog):
+    import logging
+
+    method = CompactEmbeddingMethod(make_format("int6"), "model.embed_tokens")
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method.process_weights_after_loading(make_layer(rows=512))
+    assert not [r for r in caplog.records if "rows (" in r.getMessage()]

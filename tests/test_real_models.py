@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_embed_plugin.tools import real_models
+from vllm_embed_plugin.tools import ToolError, real_models
 from vllm_embed_plugin.tools.real_models import REAL_MODELS, RealModelUnavailable, prepare
 
 
@@ -26,7 +26,7 @@ def test_registry():
 
 
 def test_unknown_name(tmp_path):
-    with pytest.raises(KeyError, match="smollm2"):
+    with pytest.raises(ToolError, match="smollm2"):
         prepare("no-such-model", cache_dir=tmp_path)
 
 

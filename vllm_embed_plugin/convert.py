@@ -6,7 +6,7 @@ them): formats never import kernels."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,11 +34,13 @@ def quantize_table(
     out: PackedRows | None = None,
     importance: ColumnImportance | None = None,
     fused: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PackedRows:
     """Quantize a [rows, cols] table chunk by chunk into `out` (by default fresh storage on
     the table's device; pinned host storage for host placement). `importance`: what an error
     in each column costs (`ColumnImportance`), for the formats that use it. `fused=False`
     skips the one-pass GPU kernel (to measure or check the chunked path against it).
+    `progress(rows_done, rows)` is called after every chunk.
 
     Raises ConversionError (and allocates nothing that outlives the call) if a row is not
     finite. The input is never modified."""
@@ -59,4 +61,6 @@ def quantize_table(
         for name, dst in out.tensors().items():
             dst[part].copy_(getattr(packed, name))
         del packed, chunk
+        if progress is not None:
+            progress(part.stop, rows)
     return out

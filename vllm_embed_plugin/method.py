@@ -20,8 +20,11 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from . import kernels, memory
 from .convert import quantize_table
 from .formats import ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat
-from .log import logger
+from .log import every, logger
 from .memory import GiB
+
+#: How often a long conversion logs its progress.
+PROGRESS_SECONDS = 15.0
 
 
 class CompactEmbeddingMethod(QuantizeMethodBase):
@@ -112,10 +115,14 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def _quantize(self, weight: torch.Tensor) -> tuple[PackedRows, PackedRows | None]:
         """(the packed table the layer will use, the pinned host tensors behind it or None)."""
         rows, cols = weight.shape
+        # The scale search of an importance file takes minutes on a CPU: say it is alive.
+        progress = every(PROGRESS_SECONDS, f"{self.label}: converting to {self.fmt.name}")
         if not self.on_host:
-            return quantize_table(weight, self.fmt, importance=self.importance), None
+            return quantize_table(
+                weight, self.fmt, importance=self.importance, progress=progress
+            ), None
         host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
-        quantize_table(weight, self.fmt, out=host, importance=self.importance)
+        quantize_table(weight, self.fmt, out=host, importance=self.importance, progress=progress)
         return host.map(get_accelerator_view_from_cpu_tensor), host
 
     def _install(

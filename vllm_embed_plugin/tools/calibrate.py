@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import DATA_DIR
+from . import DATA_DIR, progress_bar
 
 #: Where `vllm-embed-plugin calibrate` writes by default.
 DEFAULT_DIR = Path.home() / ".cache" / "vllm-embed-plugin" / "importance"
@@ -65,8 +65,10 @@ def measure(
     max_positions: int = DEFAULT_POSITIONS,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    progress: bool = False,
 ) -> tuple[torch.Tensor, dict]:
-    """(M [cols, cols], metadata) of the checkpoint at `model_path`, measured on `text`."""
+    """(M [cols, cols], metadata) of the checkpoint at `model_path`, measured on `text`;
+    `progress`: a progress bar over the windows on stderr."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -74,7 +76,9 @@ def measure(
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
     body = getattr(model, model.base_model_prefix)
     total = None
-    for ids in windows:
+    for ids in progress_bar(
+        windows, f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens", progress
+    ):
         h = body(input_ids=ids[None].to(device)).last_hidden_state[0].double()
         part = h.T @ h
         total = part if total is None else total + part

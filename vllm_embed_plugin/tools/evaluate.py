@@ -48,7 +48,7 @@ import torch
 from .. import importance
 from ..convert import row_chunks
 from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
-from . import DATA_DIR, calibrate, real_models
+from . import DATA_DIR, calibrate, progress_bar, real_models, run_command
 
 __all__ = [
     "BIT_CLASSES",
@@ -540,7 +540,9 @@ class FidelityRun:
         self.embedding.weight.data = table
         try:
             out = []
-            for ids in _progress(self.windows if windows is None else windows, desc, self.progress):
+            for ids in progress_bar(
+                self.windows if windows is None else windows, desc, self.progress
+            ):
                 out.append(self.body(input_ids=ids[None]).last_hidden_state[0])
             return torch.cat(out)
         finally:
@@ -570,7 +572,7 @@ class FidelityRun:
             modes["tied"] = lossy
         kld = {m: torch.empty(self.positions) for m in modes}
         agree = {m: torch.empty(self.positions, dtype=torch.bool) for m in modes}
-        for s, lp_ref in _progress(
+        for s, lp_ref in progress_bar(
             list(self._reference_chunks())
             if self._ref_cache is not None
             else self._reference_chunks(),
@@ -594,14 +596,6 @@ class FidelityRun:
             per = {m: mode_stats(kld[m], agree[m], self.windows_of(name)) for m in modes}
             domains[name] = (per.get("input"), per.get("tied"))
         return Result(candidate, seconds=time.perf_counter() - started, domains=domains, **stats)
-
-
-def _progress(items, desc: str, enabled: bool, total: int | None = None):
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc[:48], total=total, leave=False, file=sys.stderr)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -1044,4 +1038,4 @@ def main(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

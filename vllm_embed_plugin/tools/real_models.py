@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import ToolError
+
 __all__ = [
     "REAL_MODELS",
     "RealModel",
@@ -129,7 +131,7 @@ _GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 """
 
 
-class RealModelUnavailable(ImportError):
+class RealModelUnavailable(ToolError, ImportError):
     """The PyPI package(s) holding a model's GGUF file are not installed."""
 
 
@@ -137,7 +139,7 @@ def _model(name: str) -> RealModel:
     try:
         return REAL_MODELS[name]
     except KeyError:
-        raise KeyError(f"unknown real model {name!r}; known: {', '.join(REAL_MODELS)}") from None
+        raise ToolError(f"unknown real model {name!r}; known: {', '.join(REAL_MODELS)}") from None
 
 
 def _module_name(package: str) -> str:
@@ -217,7 +219,14 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
 def resolve(name: str) -> Path:
     """A checkpoint directory as given, or else the real model of that name, prepared."""
     path = Path(name).expanduser()
-    return path if path.exists() else prepare(name)
+    if path.exists():
+        return path
+    if name not in REAL_MODELS:
+        raise ToolError(
+            f"{name}: no such checkpoint directory, and not a real model name "
+            f"({', '.join(REAL_MODELS)})"
+        )
+    return prepare(name)
 
 
 def _locate_gguf(model: RealModel, scratch: Path) -> Path:
