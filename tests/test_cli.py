@@ -41,6 +41,14 @@ def test_plan_uses_the_models_kv_layout(tmp_path, capsys):
     freed = 151936 * 4096 * 2 - make_format("int8").nbytes(151936, 4096)
     line = next(x for x in out.splitlines() if x.startswith("int8 "))
     assert f"{freed // kv_per_token:,}" in line
+    # No GPU here, no --gpu-memory-gib: the share is of a 24 GiB card, and it says so.
+    assert "GPU memory: 24.0 GiB (no GPU here: a 24 GiB card; set --gpu-memory-gib)" in out
+    assert f"{100 * freed / (24 << 30):.1f}%" in line
+    assert main(["plan", str(tmp_path), "--gpu-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory: 80.0 GiB (--gpu-memory-gib)" in out
+    line = next(x for x in out.splitlines() if x.startswith("int8 "))
+    assert f"{100 * freed / (80 << 30):.1f}%" in line
 
 
 def test_plan_reads_a_written_checkpoint(tmp_path, capsys):

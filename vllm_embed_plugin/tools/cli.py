@@ -74,6 +74,18 @@ def _installation(settings) -> list[str]:
     return lines
 
 
+def _gpu_memory(gib: float | None) -> tuple[int, str]:
+    """(bytes, where the figure comes from): as given, else this machine's first GPU, else 24 GiB."""
+    if gib is not None:
+        return int(gib * GiB), "--gpu-memory-gib"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"this machine's {props.name}"
+    return 24 * GiB, "no GPU here: a 24 GiB card; set --gpu-memory-gib"
+
+
 def cmd_plan(args) -> int:
     from .plan import load_config, plan
 
@@ -94,10 +106,12 @@ def cmd_plan(args) -> int:
         + (f"; {layout.sliding_layers} sliding-window layers" if layout.sliding_layers else "")
         + ")"
     )
+    gpu_bytes, gpu = _gpu_memory(args.gpu_memory_gib)
+    print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB ({gpu})")
     header = f"{'format':<8} {'table GiB':>10} {'freed GiB':>10} {'% of GPU':>9} {'+KV tokens':>12} {f'+seqs@{args.max_model_len}':>12}  storage"
     print(header)
     for row in rows:
-        share = 100 * row.freed_bytes / (args.gpu_memory_gib * GiB)
+        share = 100 * row.freed_bytes / gpu_bytes
         print(
             f"{row.format:<8} {row.table_bytes / GiB:>10.3f} {row.freed_bytes / GiB:>10.3f} {share:>8.1f}% "
             f"{row.extra_kv_tokens:>12,} {row.extra_sequences:>12.1f}  {row.description}"
@@ -189,7 +203,12 @@ def _main(argv: list[str] | None) -> int:
 
     plan = sub.add_parser("plan", help="bytes and KV-cache tokens each format would free")
     plan.add_argument("model", help="model directory or config.json")
-    plan.add_argument("--gpu-memory-gib", type=float, default=24.0)
+    plan.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="the GPU's memory (default: this machine's first GPU, else 24)",
+    )
     plan.add_argument("--max-model-len", type=int, default=8192)
     plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     plan.add_argument(
