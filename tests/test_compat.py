@@ -42,6 +42,14 @@ def test_release_parses_what_vllm_reports(text, expected):
     assert compat.release(text) == expected
 
 
+def register_warnings(caplog, times: int = 1) -> list[str]:
+    """Call register() as vLLM does (possibly again in the same process); the warnings."""
+    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
+        for _ in range(times):
+            vllm_embed_plugin.register()
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_installed_vllm_has_every_api_the_plugin_uses():
     assert compat.missing_apis() == []
     support = compat.detect()
@@ -81,11 +89,8 @@ def test_a_missing_api_makes_it_inert_and_is_named(monkeypatch):
 
 def test_newer_vllm_registers_with_one_warning(monkeypatch, registry, caplog):
     set_version(monkeypatch, "0.40.1")
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
-        vllm_embed_plugin.register()  # vLLM may call it again in the same process
+    warnings = register_warnings(caplog, times=2)
     assert set(registry) == {"VocabParallelEmbedding", "ParallelLMHead"}
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert (
         "vLLM 0.40.1 is newer than the newest release the plugin was tested on (0.32" in warnings[0]
@@ -96,19 +101,15 @@ def test_newer_vllm_registers_with_one_warning(monkeypatch, registry, caplog):
 def test_untested_vllm_off_leaves_a_newer_vllm_alone(monkeypatch, registry, caplog):
     set_version(monkeypatch, "0.40.1")
     monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "off")
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
+    register_warnings(caplog)
     assert registry == {}
     assert "VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive" in caplog.text
 
 
 def test_older_vllm_leaves_the_plugin_inert_with_one_warning(monkeypatch, registry, caplog):
     set_version(monkeypatch, "0.25.0")
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
-        vllm_embed_plugin.register()
+    warnings = register_warnings(caplog, times=2)
     assert registry == {}
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "older than 0.26" in warnings[0], warnings
 
 
@@ -116,16 +117,14 @@ def test_missing_api_leaves_the_plugin_inert(monkeypatch, registry, caplog):
     import vllm.config
 
     monkeypatch.delattr(vllm.config, "get_current_vllm_config_or_none")
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
+    register_warnings(caplog)
     assert registry == {}
     assert "lacks vllm.config.get_current_vllm_config_or_none" in caplog.text
 
 
 def test_supported_vllm_registers_without_a_warning(monkeypatch, registry, caplog):
     set_version(monkeypatch, "0.32.0")
-    with caplog.at_level("WARNING", logger="vllm.embed_plugin"):
-        vllm_embed_plugin.register()
+    assert register_warnings(caplog) == []
     assert set(registry) == {"VocabParallelEmbedding", "ParallelLMHead"}
     assert caplog.records == []
 

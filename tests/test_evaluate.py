@@ -61,6 +61,12 @@ def tiny_model(tmp_path_factory):
 DOMAINS = {"plain": TEXT, "reversed": " ".join(reversed(TEXT.split()))}
 
 
+def tiny_eval_args(model, corpus, out, *extra: str) -> list[str]:
+    """`eval` arguments for the tiny model: two windows of 32 tokens, no progress bars."""
+    return ["--model", str(model), "--corpus", str(corpus), *extra, "--window", "32",
+            "--windows", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model):
     torch.set_num_threads(2)
@@ -142,21 +148,7 @@ def test_main_writes_markdown_with_command(tiny_model, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     out = tmp_path / "docs" / "FIDELITY.md"
-    argv = [
-        "--model",
-        str(tiny_model),
-        "--corpus",
-        str(corpus),
-        "--grid",
-        "quick",
-        "--window",
-        "32",
-        "--windows",
-        "2",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
+    argv = tiny_eval_args(tiny_model, corpus, out, "--grid", "quick")
     assert evaluate.main(argv, prog="vllm-embed-plugin eval") == 0
     text = out.read_text()
     assert "vllm-embed-plugin eval --model " + str(tiny_model) in text
@@ -178,21 +170,7 @@ def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
     m = calibrate.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
     calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
     out = tmp_path / "FIDELITY.md"
-    argv = [
-        "--model",
-        str(tiny_model),
-        "--corpus",
-        str(mine),
-        "--importance",
-        str(calibration),
-        "--window",
-        "32",
-        "--windows",
-        "2",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
+    argv = tiny_eval_args(tiny_model, mine, out, "--importance", str(calibration))
     assert evaluate.main(argv) == 0
     text = out.read_text()
     assert (
