@@ -27,7 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_embed_plugin import kernels  # noqa: E402
-from vllm_embed_plugin.formats import ColumnImportance, Fp8Format, IntFormat, make_format, quantize_table  # noqa: E402
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import ColumnImportance, Fp8Format, IntFormat, make_format  # noqa: E402
 from vllm_embed_plugin.formats.base import PackedRows, TableFormat  # noqa: E402
 
 HBM = 4.8e12

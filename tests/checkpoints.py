@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_checkpoint(path: Path, arch: str = "qwen2", tied: bool = False, vocab: int = 8192,
-                     hidden: int = 256, layers: int = 2, seed: int = 0) -> Path:
+def write_checkpoint(
+    path: Path,
+    arch: str = "qwen2",
+    tied: bool = False,
+    vocab: int = 8192,
+    hidden: int = 256,
+    layers: int = 2,
+    seed: int = 0,
+) -> Path:
     import torch
     import transformers
 
@@ -26,7 +33,9 @@ def write_checkpoint(path: Path, arch: str = "qwen2", tied: bool = False, vocab:
         torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[arch]
+    model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[
+        arch
+    ]
     model = model_cls(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return Path(path)

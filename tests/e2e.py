@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_embed_plugin.probe import greedy_close, run_probe  # noqa: F401 (used by tests)
+from vllm_embed_plugin.tools.probe import greedy_close, run_probe  # noqa: F401 (used by tests)
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [5000, 17, 9, 33, 2], [77, 78, 79]]
 

@@ -28,8 +28,11 @@ def free_port() -> int:
 
 def plugin_env(env: dict[str, str]) -> dict[str, str]:
     """This process's environment without VLLM_EMBED_* settings, then `env` on top."""
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith("VLLM_EMBED_") or k == "VLLM_EMBED_CACHE"}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_EMBED_") or k == "VLLM_EMBED_CACHE"
+    }
     full.update(env)
     return full
 
@@ -45,7 +48,7 @@ def group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         # pid (comm) state ppid pgrp ...; comm may contain spaces, so split after the last ')'.
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
             found.append(int(entry))
     return found
@@ -54,18 +57,34 @@ def group_members(pgid: int) -> list[int]:
 class Server:
     """One `api_server` process group; `stop()` ends every process in it (idempotent)."""
 
-    def __init__(self, model: Path, env: dict[str, str], log: Path, *args: str,
-                 name: str = "model"):
+    def __init__(
+        self, model: Path, env: dict[str, str], log: Path, *args: str, name: str = "model"
+    ):
         self.port = free_port()
         self.name = name
         self.log_path = log
         self.started = time.monotonic()
-        cmd = [*SERVER, "--model", str(model), "--served-model-name", name,
-               "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [
+            *SERVER,
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, env=plugin_env(env), stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=plugin_env(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.pgid = self.proc.pid  # leader of its own session and group
         self.leftover: list[int] | None = None
 
@@ -82,7 +101,9 @@ class Server:
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log[-4000:]}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}:\n{self.log[-4000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
                     if r.status == 200:

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from tests.checkpoints import write_checkpoint
-from vllm_embed_plugin.cli import main
 from vllm_embed_plugin.formats import make_format
+from vllm_embed_plugin.tools.cli import main
 
 
 def test_check_prints_decisions_with_the_plugins_settings(monkeypatch, capsys):
@@ -39,8 +39,16 @@ def test_plan_uses_the_models_kv_layout(tmp_path, capsys):
     kv_per_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head size, BF16
     assert f"{kv_per_token} bytes per token" in out
     freed = 151936 * 4096 * 2 - make_format("int8").nbytes(151936, 4096)
-    line = next(l for l in out.splitlines() if l.startswith("int8 "))
+    line = next(x for x in out.splitlines() if x.startswith("int8 "))
     assert f"{freed // kv_per_token:,}" in line
+    # No GPU here, no --gpu-memory-gib: the share is of a 24 GiB card, and it says so.
+    assert "GPU memory: 24.0 GiB (no GPU here: a 24 GiB card; set --gpu-memory-gib)" in out
+    assert f"{100 * freed / (24 << 30):.1f}%" in line
+    assert main(["plan", str(tmp_path), "--gpu-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory: 80.0 GiB (--gpu-memory-gib)" in out
+    line = next(x for x in out.splitlines() if x.startswith("int8 "))
+    assert f"{100 * freed / (80 << 30):.1f}%" in line
 
 
 def test_plan_reads_a_written_checkpoint(tmp_path, capsys):
@@ -66,7 +74,10 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"vllm: {vllm.__version__} (distribution vllm" in out
     assert f"vLLM {vllm.__version__}: supported" in out and "the plugin can act on it" in out
-    assert "entry point: vllm.general_plugins embed = vllm_embed_plugin:register (vllm-embed-plugin" in out
+    assert (
+        "entry point: vllm.general_plugins embed = vllm_embed_plugin:register (vllm-embed-plugin"
+        in out
+    )
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setenv("VLLM_EMBED_UNTESTED_VLLM", "off")
     monkeypatch.setenv("VLLM_PLUGINS", "other")
@@ -78,7 +89,7 @@ def test_check_prints_the_vllm_found_and_the_entry_point(monkeypatch, capsys):
 
 
 def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "nope.txt"
     assert main(["calibrate", "smollm2", "--corpus", str(missing)]) == 2
@@ -86,7 +97,7 @@ def test_calibrate_names_a_missing_corpus_in_one_line(tmp_path, capsys):
 
 
 def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "nope.txt"
     with pytest.raises(SystemExit) as exc:
@@ -96,7 +107,7 @@ def test_eval_names_a_missing_corpus_in_one_line(tmp_path, capsys):
 
 
 def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
     missing = tmp_path / "no-model"
     assert main(["plan", str(missing)]) == 2
@@ -104,13 +115,44 @@ def test_plan_names_a_missing_model_in_one_line(tmp_path, capsys):
     assert err == f"error: {missing}: no config.json (give a model directory or a config.json)\n"
 
 
+@pytest.mark.parametrize("command", ["calibrate", "eval --model", "demo --model"])
+def test_a_mistyped_model_path_is_one_line(command, tmp_path, capsys):
+    """Neither a directory nor a real model's name: one line naming it and what would do."""
+    from vllm_embed_plugin.tools.cli import main
+
+    missing = tmp_path / "mistyped"
+    assert main([*command.split(), str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: {missing}: no such checkpoint directory, and not a real model name "
+        "(smollm2, gemma3-270m)\n"
+    )
+    assert captured.out == ""
+
+
+def test_an_unknown_real_model_is_one_line(capsys):
+    from vllm_embed_plugin.tools.cli import main
+
+    assert main(["prepare-model", "smollm3"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "error: unknown real model 'smollm3'; known: smollm2, gemma3-270m\n"
+    )
+
+
 def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
     import json
 
-    from vllm_embed_plugin.cli import main
+    from vllm_embed_plugin.tools.cli import main
 
-    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2,
-              "vocab_size": 8192, "torch_dtype": "bfloat16"}
+    config = {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "vocab_size": 8192,
+        "torch_dtype": "bfloat16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     per_token = {}
     for dtype in ("auto", "fp8_e4m3"):
@@ -123,8 +165,8 @@ def test_plan_takes_vllms_kv_cache_dtype_names(tmp_path, capsys):
 def test_demo_quality_figures_from_top_k_logprobs():
     import math
 
-    from vllm_embed_plugin.demo import recommendation
-    from vllm_embed_plugin.probe import compare_scores
+    from vllm_embed_plugin.tools.demo import recommendation
+    from vllm_embed_plugin.tools.probe import compare_scores
 
     ref = [[[1, math.log(0.7)], [2, math.log(0.2)]], [[5, math.log(0.9)], [6, math.log(0.05)]]]
     same = compare_scores(ref, ref)

@@ -58,8 +58,12 @@ def compiled(module: torch.nn.Module):
     """As vLLM compiles a forward (`vllm/compilation/wrapper.py`): one full graph, token
     dimensions marked dynamic by the caller, every guard dropped."""
     torch._dynamo.reset()
-    return torch.compile(module, fullgraph=True, dynamic=False,
-                         options={"guard_filter_fn": lambda guards: [False for _ in guards]})
+    return torch.compile(
+        module,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": lambda guards: [False for _ in guards]},
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

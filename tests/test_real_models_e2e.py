@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import greedy_close
-from vllm_embed_plugin.probe import run_probe
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools.probe import run_probe
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +26,16 @@ def runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(name)
     result = {}
     for fmt in ("off", "int8"):
-        run = run_probe(out, fmt, {"VLLM_EMBED_FORMAT": fmt}, "--model", str(model), *CASES[name], "--max-tokens", "24")
+        run = run_probe(
+            out,
+            fmt,
+            {"VLLM_EMBED_FORMAT": fmt},
+            "--model",
+            str(model),
+            *CASES[name],
+            "--max-tokens",
+            "24",
+        )
         assert run.returncode == 0, run.log[-3000:]
         result[fmt] = run
     return name, result
@@ -34,7 +43,10 @@ def runs(request, tmp_path_factory):
 
 def test_tied_table_is_stored_once_packed_with_no_bf16_copy(runs):
     name, run = runs
-    off, int8 = run["off"].result["workers"][0]["target"], run["int8"].result["workers"][0]["target"]
+    off, int8 = (
+        run["off"].result["workers"][0]["target"],
+        run["int8"].result["workers"][0]["target"],
+    )
     tables = {t["name"]: t for t in int8["tables"]}
     embedding, head = tables["model.embed_tokens"], tables["lm_head"]
     assert embedding["method"] == "CompactEmbeddingMethod"
@@ -70,28 +82,38 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     from safetensors.torch import load_file
 
     from vllm_embed_plugin import importance
-    from vllm_embed_plugin.cli import main
-    from vllm_embed_plugin.formats import make_format, quantize_table
-    from vllm_embed_plugin.introspect import digest
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import make_format
+    from vllm_embed_plugin.tools.cli import main
+    from vllm_embed_plugin.tools.introspect import digest
 
     model = prepare(name)
     weights = tmp_path / "smollm2.safetensors"
     assert main(["calibrate", name, "--out", str(weights), "--positions", "1024"]) == 0
     env = {"VLLM_EMBED_FORMAT": "int5", "VLLM_EMBED_IMPORTANCE": str(weights)}
-    weighted_run = run_probe(tmp_path, "int5-importance", env, "--model", str(model), *CASES[name],
-                             "--max-tokens", "24")
+    weighted_run = run_probe(
+        tmp_path, "int5-importance", env, "--model", str(model), *CASES[name], "--max-tokens", "24"
+    )
     assert weighted_run.returncode == 0, weighted_run.log[-3000:]
-    assert ("int5 (5-bit affine, group 32, importance-weighted scales, 6.00 bits/weight), rows rounded "
-            "jointly for the tied head (GPTQ)") in weighted_run.log
+    assert (
+        "int5 (5-bit affine, group 32, importance-weighted scales, 6.00 bits/weight), rows rounded "
+        "jointly for the tied head (GPTQ)"
+    ) in weighted_run.log
     tables = {t["name"]: t for t in weighted_run.result["workers"][0]["target"]["tables"]}
     assert tables["lm_head"]["method"] == "TiedHeadMethod"
 
     table = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"]
-    weighted = quantize_table(table, make_format("int5", weighted=True),
-                              importance=importance.load(weights, table.shape[1], joint=True))
+    weighted = quantize_table(
+        table,
+        make_format("int5", weighted=True),
+        importance=importance.load(weights, table.shape[1], joint=True),
+    )
     plain = quantize_table(table, make_format("int5"))
-    expected = {"weight": digest(weighted.codes), "weight_scales": digest(weighted.scales),
-                "weight_mins": digest(weighted.mins)}
+    expected = {
+        "weight": digest(weighted.codes),
+        "weight_scales": digest(weighted.scales),
+        "weight_mins": digest(weighted.mins),
+    }
     assert tables["model.embed_tokens"]["digests"] == expected
     assert digest(plain.codes) != expected["weight"]
     assert greedy_close(run["off"].result, weighted_run.result) == [], weighted_run.result["texts"]

@@ -14,13 +14,22 @@ import pytest
 
 from tests.serve import Server
 from vllm_embed_plugin import __version__
-from vllm_embed_plugin.real_models import is_available, prepare
+from vllm_embed_plugin.tools.real_models import is_available, prepare
 
 pytestmark = pytest.mark.e2e
 
 #: Fast and small: no compilation, short context, a fifth of the RAM for the KV cache.
-SERVER_ARGS = ("--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.2",
-               "--dtype", "bfloat16", "--seed", "0")
+SERVER_ARGS = (
+    "--enforce-eager",
+    "--max-model-len",
+    "512",
+    "--gpu-memory-utilization",
+    "0.2",
+    "--dtype",
+    "bfloat16",
+    "--seed",
+    "0",
+)
 QUESTION = "What is the capital of France?"
 PROMPTS = [
     "The capital of France is",
@@ -40,12 +49,18 @@ def workload(server: Server) -> dict:
 
     client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     chat = client.chat.completions.create(
-        model=server.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=16,
-        temperature=0, logprobs=True, top_logprobs=5)
+        model=server.name,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
 
     def complete(prompt):
-        return client.completions.create(model=server.name, prompt=prompt, max_tokens=8,
-                                         temperature=0, logprobs=5)
+        return client.completions.create(
+            model=server.name, prompt=prompt, max_tokens=8, temperature=0, logprobs=5
+        )
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # all 8 in flight at once
         completions = list(pool.map(complete, PROMPTS))
@@ -55,8 +70,10 @@ def workload(server: Server) -> dict:
         "chat": chat.choices[0].message.content,
         "chat_first": (first.token, {t.token: t.logprob for t in first.top_logprobs}),
         "texts": [c.choices[0].text for c in completions],
-        "first": [(c.choices[0].logprobs.tokens[0], c.choices[0].logprobs.top_logprobs[0])
-                  for c in completions],
+        "first": [
+            (c.choices[0].logprobs.tokens[0], c.choices[0].logprobs.top_logprobs[0])
+            for c in completions
+        ],
         "usage": [c.usage.completion_tokens for c in completions],
     }
 
@@ -73,8 +90,9 @@ def served(smollm2, tmp_path_factory, request):
     out = tmp_path_factory.mktemp("serve")
     results = {}
     for fmt in ("off", "int8"):
-        server = Server(smollm2, {"VLLM_EMBED_FORMAT": fmt}, out / f"{fmt}.log", *SERVER_ARGS,
-                        name="smollm2")
+        server = Server(
+            smollm2, {"VLLM_EMBED_FORMAT": fmt}, out / f"{fmt}.log", *SERVER_ARGS, name="smollm2"
+        )
         request.addfinalizer(server.stop)  # also when anything below fails
         ready = server.wait_ready()
         answers = workload(server)
@@ -101,8 +119,11 @@ def test_plugin_converts_the_table_inside_the_servers_worker(served):
     # vLLM loaded the plugin by its entry point in the server's own processes.
     assert f"vllm-embed-plugin {__version__}: format=int8" in int8
     assert f"vllm-embed-plugin {__version__}: format=off" in off
-    conversions = [line for line in int8.splitlines()
-                   if re.search(r"vllm-embed-plugin: .*49152 x 576 table -> int8", line)]
+    conversions = [
+        line
+        for line in int8.splitlines()
+        if re.search(r"vllm-embed-plugin: .*49152 x 576 table -> int8", line)
+    ]
     assert len(conversions) == 1, conversions
     # ... in the worker process that holds the model, not in the API server.
     assert re.match(r"\((VllmWorker|Worker)\b", conversions[0]), conversions[0]

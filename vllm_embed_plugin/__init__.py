@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from .log import logger
 
-
 __version__ = "0.1.0"
 
 _state = {"logged": False, "vllm": None}

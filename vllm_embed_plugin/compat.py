@@ -77,19 +77,29 @@ class VllmSupport:
         if self.status == "not-installed":
             return "vLLM is not installed: the plugin has nothing to act on"
         if self.status == "too-old":
-            return (f"{version} is older than {_fmt(MINIMUM_VLLM)}, the oldest release the plugin "
-                    "supports: it stays inactive and changes nothing")
+            return (
+                f"{version} is older than {_fmt(MINIMUM_VLLM)}, the oldest release the plugin "
+                "supports: it stays inactive and changes nothing"
+            )
         if self.status == "missing-api":
-            return (f"{version} lacks {', '.join(self.missing)}, which the plugin needs: it stays "
-                    "inactive and changes nothing")
+            return (
+                f"{version} lacks {', '.join(self.missing)}, which the plugin needs: it stays "
+                "inactive and changes nothing"
+            )
         if self.status == "untested":
-            newer = (f"{version} is newer than the newest release the plugin was tested on "
-                     f"({_fmt(NEWEST_TESTED_VLLM)}; tested: {tested})")
+            newer = (
+                f"{version} is newer than the newest release the plugin was tested on "
+                f"({_fmt(NEWEST_TESTED_VLLM)}; tested: {tested})"
+            )
             if untested_vllm == "off":
-                return (f"{newer}, and VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive and "
-                        "changes nothing")
-            return (f"{newer}; its APIs are all present, so the plugin can act on it "
-                    "(VLLM_EMBED_UNTESTED_VLLM=off turns it off on untested releases)")
+                return (
+                    f"{newer}, and VLLM_EMBED_UNTESTED_VLLM=off: the plugin stays inactive and "
+                    "changes nothing"
+                )
+            return (
+                f"{newer}; its APIs are all present, so the plugin can act on it "
+                "(VLLM_EMBED_UNTESTED_VLLM=off turns it off on untested releases)"
+            )
         return f"{version}: supported (tested: {tested}); the plugin can act on it"
 
 

@@ -8,14 +8,13 @@ the class name up in the out-of-tree registry. `ParallelLMHead` is registered to
 
 from __future__ import annotations
 
-
 from vllm.config import get_current_vllm_config_or_none
-from vllm.platforms import current_platform
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
+from vllm.platforms import current_platform
 
 from . import importance
 from .formats import IntFormat, make_format
@@ -23,10 +22,8 @@ from .log import log_once
 from .method import CompactEmbeddingMethod
 from .settings import EmbedSettingsError, current_settings
 
-
 #: Model tags vLLM sets (`set_model_tag`) while it builds a speculative-decoding drafter.
 DRAFT_MODEL_TAGS = ("draft_model", "eagle_head", "medusa_head", "dflash_head", "dspark_head")
-
 
 
 class CompactVocabParallelEmbedding(VocabParallelEmbedding):
@@ -82,7 +79,9 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
         return None
     if decision.on_host and current_platform.is_cpu():
-        log_once(f"{where}: format {decision.format!r} is a no-op on the CPU backend (the table already lives in host memory)")
+        log_once(
+            f"{where}: format {decision.format!r} is a no-op on the CPU backend (the table already lives in host memory)"
+        )
         return None
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
     name = decision.format
@@ -115,8 +114,10 @@ def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) 
         return
     # A platform put its own hashable object there: no room for ours, so no cache at all.
     vllm_config.compilation_config.inductor_compile_config["force_disable_caches"] = True
-    log_once("vLLM's additional_config is not a dict, so the plugin cannot key vLLM's compile "
-             "cache on its format: the compile cache is switched off for this model")
+    log_once(
+        "vLLM's additional_config is not a dict, so the plugin cannot key vLLM's compile "
+        "cache on its format: the compile cache is switched off for this model"
+    )
 
 
 def _importance(decision, name: str, cols: int, where: str, tied: bool):
@@ -133,10 +134,14 @@ def _importance(decision, name: str, cols: int, where: str, tied: bool):
     try:
         loaded = importance.load(decision.importance, cols, joint=tied)
     except importance.ImportanceError as exc:
-        raise EmbedSettingsError(f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}") from None
+        raise EmbedSettingsError(
+            f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}"
+        ) from None
     if not tied:
-        log_once(f"{where}: untied, so the importance file is checked but not used (it describes "
-                 "the LM head's input, not the lookup)")
+        log_once(
+            f"{where}: untied, so the importance file is checked but not used (it describes "
+            "the LM head's input, not the lookup)"
+        )
         return None
     return loaded
 
@@ -149,7 +154,9 @@ def _tied_fallback(decision, where: str) -> str:
             "LM head is tied to it and must read it on the GPU; set tied_fallback (e.g. "
             "VLLM_EMBED_TIED_FALLBACK=int8, or per rule) or choose a device format"
         )
-    log_once(f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}")
+    log_once(
+        f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}"
+    )
     return decision.tied_fallback
 
 

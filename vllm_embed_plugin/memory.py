@@ -14,6 +14,7 @@ import gc
 
 import torch
 
+GiB = 1 << 30
 
 _pending = 0
 

@@ -18,12 +18,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from . import kernels, memory
-from .log import logger
-from .formats import (ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat,
-                      quantize_table)
+from .convert import quantize_table
+from .formats import ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat
+from .log import every, logger
+from .memory import GiB
 
-
-GiB = 1 << 30
+#: How often a long conversion logs its progress.
+PROGRESS_SECONDS = 15.0
 
 
 class CompactEmbeddingMethod(QuantizeMethodBase):
@@ -32,8 +33,14 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
 
-    def __init__(self, fmt: TableFormat, label: str, on_error: str = "fail", on_host: bool = False,
-                 importance: ColumnImportance | None = None):
+    def __init__(
+        self,
+        fmt: TableFormat,
+        label: str,
+        on_error: str = "fail",
+        on_host: bool = False,
+        importance: ColumnImportance | None = None,
+    ):
         self.fmt = fmt
         #: How the compiled forward names the format to the kernels' custom ops.
         self.fmt_key = kernels.register_format(fmt)
@@ -92,10 +99,13 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             self.label,
             rows,
             cols,
-            self.fmt.describe(cols) + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
+            self.fmt.describe(cols)
+            + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
             weight.numel() * weight.element_size() / GiB,
             packed.nbytes / GiB,
-            "pinned host memory (0 GiB of GPU memory)" if self.on_host else f"{weight.device.type} memory",
+            "pinned host memory (0 GiB of GPU memory)"
+            if self.on_host
+            else f"{weight.device.type} memory",
             time.perf_counter() - started,
         )
         del weight
@@ -105,13 +115,19 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def _quantize(self, weight: torch.Tensor) -> tuple[PackedRows, PackedRows | None]:
         """(the packed table the layer will use, the pinned host tensors behind it or None)."""
         rows, cols = weight.shape
+        # The scale search of an importance file takes minutes on a CPU: say it is alive.
+        progress = every(PROGRESS_SECONDS, f"{self.label}: converting to {self.fmt.name}")
         if not self.on_host:
-            return quantize_table(weight, self.fmt, importance=self.importance), None
+            return quantize_table(
+                weight, self.fmt, importance=self.importance, progress=progress
+            ), None
         host = self.fmt.empty(rows, cols, "cpu").map(lambda t: t.pin_memory())
-        quantize_table(weight, self.fmt, out=host, importance=self.importance)
+        quantize_table(weight, self.fmt, out=host, importance=self.importance, progress=progress)
         return host.map(get_accelerator_view_from_cpu_tensor), host
 
-    def _install(self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None) -> None:
+    def _install(
+        self, layer: torch.nn.Module, packed: PackedRows, host_tensors: PackedRows | None
+    ) -> None:
         """Swap the BF16 table for the packed one (and point tied heads at it)."""
         layer.embedding_dtype = layer.weight.dtype
         layer.embedding_cols = layer.weight.shape[1]
@@ -142,10 +158,13 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         )
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return kernels.lookup(self.fmt_key, self.packed(layer), input_, layer.embedding_cols,
-                              layer.embedding_dtype)
+        return kernels.lookup(
+            self.fmt_key, self.packed(layer), input_, layer.embedding_cols, layer.embedding_dtype
+        )
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
         logits = kernels.linear(self.fmt_key, self.packed(layer), x, layer.embedding_cols)
         return logits if bias is None else logits + bias
@@ -167,6 +186,8 @@ class TiedHeadMethod(QuantizeMethodBase):
     def create_weights(self, layer, *args, **kwargs):
         raise RuntimeError("a tied head has no weights of its own")
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         owner = self.table_owner
         return owner.quant_method.apply(owner, x, bias)

@@ -134,10 +134,17 @@ class EmbedSettings(BaseSettings):
                 group = rule.group_size or self.group_size
                 fallback = rule.tied_fallback or self.tied_fallback
                 importance = rule.importance or self.importance
-                return Decision(model, fmt, group, f"rule {number} (match {rule.match!r})", fallback,
-                                importance)
-        return Decision(model, self.format, self.group_size, "default format", self.tied_fallback,
-                        self.importance)
+                return Decision(
+                    model, fmt, group, f"rule {number} (match {rule.match!r})", fallback, importance
+                )
+        return Decision(
+            model,
+            self.format,
+            self.group_size,
+            "default format",
+            self.tied_fallback,
+            self.importance,
+        )
 
     def summary(self) -> str:
         parts = [f"format={self.format}"]
@@ -184,7 +191,9 @@ class Decision:
 
 def _matches(pattern: str, model: str) -> bool:
     name = model.rstrip("/")
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(os.path.basename(name), pattern)
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(
+        os.path.basename(name), pattern
+    )
 
 
 def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
@@ -195,7 +204,9 @@ def _file_source(settings_cls, path: Path) -> PydanticBaseSettingsSource:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise EmbedSettingsError(f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})")
+        raise EmbedSettingsError(
+            f"{CONFIG_ENV}={str(path)!r}: cannot read it ({exc.strerror})"
+        ) from None
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml  # noqa: F401
@@ -247,7 +258,9 @@ def load_settings() -> EmbedSettings:
     except ValidationError as exc:
         config = os.environ.get(CONFIG_ENV)
         lines = [_describe(error, config) for error in exc.errors()]
-        raise EmbedSettingsError("invalid vllm-embed-plugin settings: " + "; ".join(lines)) from None
+        raise EmbedSettingsError(
+            "invalid vllm-embed-plugin settings: " + "; ".join(lines)
+        ) from None
     except (ValueError, OSError) as exc:
         if isinstance(exc, EmbedSettingsError):
             raise

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from .base import ColumnImportance, ConversionError, PackedRows, TableFormat
-from .convert import quantize_table
 from .fp8 import Fp8Format
 from .identity import IdentityFormat
 from .integer import IntFormat
@@ -44,7 +43,9 @@ GROUP_SIZES = (16, 32, 64, 128, 256, "row")
 WEIGHTED_SEARCH = 15
 
 
-def make_format(name: str, group_size: int | str | None = None, weighted: bool = False) -> TableFormat:
+def make_format(
+    name: str, group_size: int | str | None = None, weighted: bool = False
+) -> TableFormat:
     """The format called `name`, with its default group size unless one is given; `weighted`:
     a column importance will be passed to `quantize`, so integer formats search their scales."""
     fmt = FORMATS[name] if name in FORMATS else HOST_FORMATS[name]
@@ -68,5 +69,4 @@ __all__ = [
     "PackedRows",
     "TableFormat",
     "make_format",
-    "quantize_table",
 ]

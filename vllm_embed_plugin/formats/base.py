@@ -7,6 +7,7 @@ row per table row, so slicing, gathering and tensor-parallel sharding work on an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -22,7 +23,9 @@ class PackedRows:
     mins: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
     def map(self, fn) -> PackedRows:
         """Apply `fn` to every tensor (slice, gather, move)."""
@@ -86,7 +89,8 @@ class ColumnImportance:
         moment = shrink(moment, cls.SHRINK)
         weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
-            moment.shape[0], dtype=moment.dtype, device=moment.device)
+            moment.shape[0], dtype=moment.dtype, device=moment.device
+        )
         inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
         return cls(weights, torch.linalg.cholesky(inverse, upper=True).float())
 
@@ -101,6 +105,15 @@ def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
     return (1 - amount) * moment + amount * moment.diagonal().mean() * eye
 
 
+#: (values [n, width], step [n], low [n], factor [width, width], bits, symmetric) ->
+#: (levels, carried errors) [n, width], or None where it does not apply (the torch loop
+#: `formats.integer.round_group_jointly_torch` then runs). The conversion passes a GPU kernel.
+GroupRounder = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool],
+    "tuple[torch.Tensor, torch.Tensor] | None",
+]
+
+
 class TableFormat(ABC):
     """A storage format for an embedding table of `cols` columns."""
 
@@ -112,9 +125,16 @@ class TableFormat(ABC):
         """Stored bits per table element, scales and minimums included."""
 
     @abstractmethod
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
         """Quantize float rows [n, cols] (any float dtype) into packed rows. `importance`
-        steers the formats that search their scales; the others ignore it."""
+        steers the formats that search their scales; the others ignore it. `round_group`: a
+        faster rounding of one group for the joint (GPTQ) rounding, such as a GPU kernel;
+        formats that do not round jointly ignore it."""
 
     @abstractmethod
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:

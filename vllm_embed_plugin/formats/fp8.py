@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ColumnImportance, PackedRows, TableFormat
+from .base import ColumnImportance, GroupRounder, PackedRows, TableFormat
 
 E4M3_MAX = 448.0
 
@@ -41,7 +41,12 @@ class Fp8Format(TableFormat):
         group = "row" if self.group_size is None else str(self.group_size)
         return f"{self.name} (e4m3, group {group}, {self.bits_per_weight(cols):.2f} bits/weight)"
 
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
         n, cols = rows.shape
         g, groups = self.group_cols(cols), self.num_groups(cols)
         x = torch.nn.functional.pad(rows.float(), (0, groups * g - cols)).view(n, groups, g)
@@ -58,4 +63,6 @@ class Fp8Format(TableFormat):
         g, groups = self.group_cols(cols), self.num_groups(cols)
         values = packed.codes.view(torch.float8_e4m3fn).float()
         values = torch.nn.functional.pad(values, (0, groups * g - cols)).view(n, groups, g)
-        return (values * packed.scales.float().unsqueeze(-1)).view(n, groups * g)[:, :cols].to(dtype)
+        return (
+            (values * packed.scales.float().unsqueeze(-1)).view(n, groups * g)[:, :cols].to(dtype)
+        )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ColumnImportance, PackedRows, TableFormat
+from .base import ColumnImportance, GroupRounder, PackedRows, TableFormat
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,15 @@ class IdentityFormat(TableFormat):
     def describe(self, cols: int) -> str:
         return f"{self.name} (lossless {str(self.dtype).removeprefix('torch.')})"
 
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
-        return PackedRows(codes=rows.to(self.dtype), scales=rows.new_empty(rows.shape[0], 0, dtype=torch.float32))
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
+        return PackedRows(
+            codes=rows.to(self.dtype), scales=rows.new_empty(rows.shape[0], 0, dtype=torch.float32)
+        )
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
         return packed.codes.to(dtype)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ColumnImportance, PackedRows, TableFormat
+from .base import ColumnImportance, GroupRounder, PackedRows, TableFormat
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,16 @@ class IntFormat(TableFormat):
 
     # -- quantize / dequantize ----------------------------------------------------------
 
-    def quantize(self, rows: torch.Tensor, importance: ColumnImportance | None = None) -> PackedRows:
+    def quantize(
+        self,
+        rows: torch.Tensor,
+        importance: ColumnImportance | None = None,
+        round_group: GroupRounder | None = None,
+    ) -> PackedRows:
         """`importance` (optional, see `ColumnImportance`): its weights steer the scale search
         (`search` > 0), and its inverse factor, if any, makes the codes of each row a joint
-        choice (GPTQ). None weighs every column alike and rounds each value to its nearest level."""
+        choice (GPTQ), one group at a time by `round_group` where given. None weighs every
+        column alike and rounds each value to its nearest level."""
         if importance is not None and importance.lookup_only:
             # An untied table: the importance describes another use (ColumnImportance).
             return dataclasses.replace(self, search=0).quantize(rows)
@@ -91,19 +97,28 @@ class IntFormat(TableFormat):
         if importance is None:
             col_weight = torch.ones(1, cols, device=rows.device)
         else:
-            col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(1, -1)
+            col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(
+                1, -1
+            )
             if col_weight.shape[1] != cols:
                 raise ValueError(f"importance has {col_weight.shape[1]} weights for {cols} columns")
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if importance is not None and importance.inverse_factor is not None:
-            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance.inverse_factor)
+            levels, scale, mins = self._fit_jointly(
+                rows.float(), weight, importance.inverse_factor, round_group
+            )
         else:
-            levels, scale, mins = self._fit(_pad_cols(rows.float(), groups * g).view(n, groups, g), weight)
+            levels, scale, mins = self._fit(
+                _pad_cols(rows.float(), groups * g).view(n, groups, g), weight
+            )
             levels = levels.reshape(n, groups * g)[:, :cols]
         codes = pack_bits(levels, self.bits)
-        return PackedRows(codes=codes, scales=scale.to(self.scale_dtype),
-                          mins=None if mins is None else mins.to(self.scale_dtype))
+        return PackedRows(
+            codes=codes,
+            scales=scale.to(self.scale_dtype),
+            mins=None if mins is None else mins.to(self.scale_dtype),
+        )
 
     def _fit(self, x: torch.Tensor, weight: torch.Tensor):
         """(levels, scale, mins or None) for groups x [n, G, g], each value at its nearest level."""
@@ -112,7 +127,13 @@ class IntFormat(TableFormat):
             return levels, scale, None
         return _fit_affine(x, weight, self.bits, self.search, self.scale_dtype)
 
-    def _fit_jointly(self, rows: torch.Tensor, weight: torch.Tensor, inverse_factor: torch.Tensor):
+    def _fit_jointly(
+        self,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        inverse_factor: torch.Tensor,
+        round_group: GroupRounder | None = None,
+    ):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded in order, each column's error (scaled by the inverse
@@ -121,8 +142,16 @@ class IntFormat(TableFormat):
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
-        levels = round_jointly(rows, scale, mins, inverse_factor.to(rows.device, torch.float32),
-                               g, self.bits, self.symmetric)
+        levels = round_jointly(
+            rows,
+            scale,
+            mins,
+            inverse_factor.to(rows.device, torch.float32),
+            g,
+            self.bits,
+            self.symmetric,
+            round_group,
+        )
         return levels, scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +181,9 @@ def _fit_symmetric(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, sca
     # A product with the float32 reciprocal, as the fused GPU kernel computes it.
     scale = signed_max.abs() * (1.0 / (nmax - 1)) if bits >= 5 else signed_max / -nmax
     if search:
-        candidates = [scale] + [signed_max / -(nmax + 0.1 * step) for step in range(-search, search + 1)]
+        candidates = [scale] + [
+            signed_max / -(nmax + 0.1 * step) for step in range(-search, search + 1)
+        ]
         best_score = None
         for candidate in candidates:
             levels = torch.round(x * _safe_inv(candidate)).clamp_(-nmax, nmax - 1)
@@ -208,14 +239,22 @@ def _fit_affine(x: torch.Tensor, w: torch.Tensor, bits: int, search: int, scale_
     return _round_affine((x - mins) * _safe_inv(scale), bits), scale.squeeze(-1), mins.squeeze(-1)
 
 
-def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-                  factor: torch.Tensor, group: int, bits: int, symmetric: bool) -> torch.Tensor:
+def round_jointly(
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    factor: torch.Tensor,
+    group: int,
+    bits: int,
+    symmetric: bool,
+    round_group: GroupRounder | None = None,
+) -> torch.Tensor:
     """Levels [n, cols] for float32 rows with fixed group scales [n, groups] (and minimums),
     rounded column by column with GPTQ's error feedback through the upper `factor` [cols, cols].
 
     Within a group every column waits for the one before it; the next groups take the group's
-    carried errors in one matrix product. On CUDA a Triton kernel rounds a whole group per
-    launch; elsewhere (and as its reference) the torch loop below does."""
+    carried errors in one matrix product. `round_group` (the conversion passes a Triton kernel
+    on CUDA) rounds a whole group at once; the torch loop below is the reference."""
     n, cols = rows.shape
     work = rows.clone()
     levels = torch.empty_like(rows)
@@ -223,26 +262,24 @@ def round_jointly(rows: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | 
         b = min(a + group, cols)
         step = scale[:, k].contiguous()
         low = torch.zeros_like(step) if mins is None else mins[:, k].contiguous()
-        levels[:, a:b], carried = _round_group_jointly(work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
+        args = (work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
+        rounded = round_group(*args) if round_group is not None else None
+        levels[:, a:b], carried = (
+            rounded if rounded is not None else round_group_jointly_torch(*args)
+        )
         if b < cols:
             work[:, b:] -= carried @ factor[a:b, b:]
     return levels
 
 
-def _round_group_jointly(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                         factor: torch.Tensor, bits: int, symmetric: bool):
-    """(levels, carried errors) [n, width] of one group; `values` is not modified."""
-    if values.is_cuda:
-        from ..kernels import round_group_jointly_fast  # lazy: kernels imports formats
-
-        fast = round_group_jointly_fast(values, step, low, factor, bits, symmetric)
-        if fast is not None:
-            return fast
-    return round_group_jointly_torch(values, step, low, factor, bits, symmetric)
-
-
-def round_group_jointly_torch(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                              factor: torch.Tensor, bits: int, symmetric: bool):
+def round_group_jointly_torch(
+    values: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    factor: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+):
     values = values.clone()
     width = values.shape[1]
     inv = _safe_inv(step)
@@ -270,7 +307,9 @@ def _round_affine(scaled: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _safe_inv(t: torch.Tensor) -> torch.Tensor:
     """1/t, and 0 where t is 0 (all-zero groups quantize to zero codes)."""
-    return torch.where(t != 0, 1.0 / torch.where(t != 0, t, torch.ones_like(t)), torch.zeros_like(t))
+    return torch.where(
+        t != 0, 1.0 / torch.where(t != 0, t, torch.ones_like(t)), torch.zeros_like(t)
+    )
 
 
 def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:

@@ -55,12 +55,15 @@ def _key(fmt: TableFormat | str) -> str:
     return fmt if isinstance(fmt, str) else register_format(fmt)
 
 
-def lookup(fmt: TableFormat | str, table: PackedRows, ids: torch.Tensor, cols: int,
-           dtype: torch.dtype) -> torch.Tensor:
+def lookup(
+    fmt: TableFormat | str, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Rows `ids` of the table, dequantized to `dtype`: shape ids.shape + (cols,). `fmt` is a
     format or its key from `register_format` (a layer passes the key: no Python on the format
     object in a traced forward). One custom op; no host synchronisation."""
-    return torch.ops.vllm_embed.lookup(ids, table.codes, table.scales, table.mins, _key(fmt), cols, dtype)
+    return torch.ops.vllm_embed.lookup(
+        ids, table.codes, table.scales, table.mins, _key(fmt), cols, dtype
+    )
 
 
 def linear(fmt: TableFormat | str, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
@@ -69,8 +72,9 @@ def linear(fmt: TableFormat | str, table: PackedRows, x: torch.Tensor, cols: int
     return torch.ops.vllm_embed.linear(x, table.codes, table.scales, table.mins, _key(fmt), cols)
 
 
-def lookup_eager(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+def lookup_eager(
+    fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The op's body: the fused kernel on CUDA, else the torch reference path."""
     if isinstance(fmt, IdentityFormat):  # a plain table (e.g. in host memory): one gather
         return F.embedding(ids, table.codes).to(dtype)
@@ -109,8 +113,13 @@ def _is_int8_per_row(fmt: TableFormat) -> bool:
     return isinstance(fmt, IntFormat) and fmt.bits == 8 and fmt.group_size is None and fmt.symmetric
 
 
-def linear_torch(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
-                 chunk_bytes: int = LINEAR_CHUNK_BYTES) -> torch.Tensor:
+def linear_torch(
+    fmt: TableFormat,
+    table: PackedRows,
+    x: torch.Tensor,
+    cols: int,
+    chunk_bytes: int = LINEAR_CHUNK_BYTES,
+) -> torch.Tensor:
     """The torch path. On the CPU, a per-row symmetric int8 table at decode sizes goes through
     `torch._weight_int8pack_mm` (int8 weights read directly); everything else dequantizes
     bounded row chunks and multiplies them, never the whole table at once."""
@@ -125,7 +134,9 @@ def linear_torch(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int
         and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
     ):
         weight = table.codes.view(torch.int8)
-        out = torch._weight_int8pack_mm(x2.contiguous(), weight, table.scales.reshape(-1).to(x2.dtype))
+        out = torch._weight_int8pack_mm(
+            x2.contiguous(), weight, table.scales.reshape(-1).to(x2.dtype)
+        )
         return out.view(*lead, rows)
     out = torch.empty((m, rows), dtype=x.dtype, device=x.device)
     # Dequantize creates a few float32 temporaries per element; bound them all.
@@ -151,8 +162,14 @@ def quantize_rows_fast(
     return kernels.quantize_rows_fast(fmt, rows, out)
 
 
-def round_group_jointly_fast(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                             factor: torch.Tensor, bits: int, symmetric: bool):
+def round_group_jointly_fast(
+    values: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    factor: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+):
     """GPTQ's rounding of one group on CUDA (see `formats.integer.round_jointly`); None means:
     use the torch loop."""
     if not values.is_cuda:
@@ -163,6 +180,16 @@ def round_group_jointly_fast(values: torch.Tensor, step: torch.Tensor, low: torc
     return kernels.round_group_jointly(values, step, low, factor, bits, symmetric)
 
 
-__all__ = ["format_of", "linear", "linear_eager", "linear_torch", "lookup", "lookup_eager",
-           "lookup_torch", "prepare", "quantize_rows_fast", "register_format",
-           "round_group_jointly_fast"]
+__all__ = [
+    "format_of",
+    "linear",
+    "linear_eager",
+    "linear_torch",
+    "lookup",
+    "lookup_eager",
+    "lookup_torch",
+    "prepare",
+    "quantize_rows_fast",
+    "register_format",
+    "round_group_jointly_fast",
+]

@@ -44,7 +44,9 @@ class _PinnedArray:
         }
 
 
-def cuda_view_of_pinned(t: torch.Tensor, device: torch.device | str | int | None = None) -> torch.Tensor:
+def cuda_view_of_pinned(
+    t: torch.Tensor, device: torch.device | str | int | None = None
+) -> torch.Tensor:
     """A CUDA tensor aliasing pinned CPU tensor `t` (no copy): same shape, strides, dtype.
 
     Writes through either alias are seen by the other once the GPU work is synchronised."""
@@ -54,7 +56,11 @@ def cuda_view_of_pinned(t: torch.Tensor, device: torch.device | str | int | None
     carrier = t if dtype in _TYPESTR else t.view(_CARRIER[t.element_size()])
     if t.numel() == 0:
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device or "cuda")
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device is None
+        else torch.device(device)
+    )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     view = torch.as_tensor(_PinnedArray(carrier), device=dev)

@@ -11,7 +11,8 @@ The format travels as a string key (`register_format`): ops take tensors and pla
 No `from __future__ import annotations` here: `infer_schema` reads the annotations.
 """
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -51,9 +52,15 @@ def _define(name: str, impl: Callable, fake: Callable) -> None:
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def _lookup_impl(ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 mins: Optional[torch.Tensor], fmt_key: str, cols: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _lookup_impl(
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: Optional[torch.Tensor],
+    fmt_key: str,
+    cols: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     from . import lookup_eager  # the package imports this module first
 
     return lookup_eager(format_of(fmt_key), _packed(codes, scales, mins), ids, cols, dtype)
@@ -63,8 +70,14 @@ def _lookup_fake(ids, codes, scales, mins, fmt_key, cols, dtype):
     return ids.new_empty((*ids.shape, cols), dtype=dtype)
 
 
-def _linear_impl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 mins: Optional[torch.Tensor], fmt_key: str, cols: int) -> torch.Tensor:
+def _linear_impl(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: Optional[torch.Tensor],
+    fmt_key: str,
+    cols: int,
+) -> torch.Tensor:
     from . import linear_eager
 
     return linear_eager(format_of(fmt_key), _packed(codes, scales, mins), x, cols)

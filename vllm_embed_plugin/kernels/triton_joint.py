@@ -17,9 +17,23 @@ from .triton_quantize import _rint, _safe_recip
 
 
 @triton.jit
-def _round_group_kernel(values_ptr, values_stride, step_ptr, low_ptr, factor_ptr, factor_stride,
-                        levels_ptr, carried_ptr, out_stride, rows, width,
-                        QMIN: tl.constexpr, QMAX: tl.constexpr, BR: tl.constexpr, G: tl.constexpr):
+def _round_group_kernel(
+    values_ptr,
+    values_stride,
+    step_ptr,
+    low_ptr,
+    factor_ptr,
+    factor_stride,
+    levels_ptr,
+    carried_ptr,
+    out_stride,
+    rows,
+    width,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    BR: tl.constexpr,
+    G: tl.constexpr,
+):
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     c = tl.arange(0, G)
     rmask = r < rows
@@ -47,8 +61,14 @@ def _round_group_kernel(values_ptr, values_stride, step_ptr, low_ptr, factor_ptr
     tl.store(carried_ptr + out, carried, mask=mask)
 
 
-def round_group_jointly(values: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
-                        factor: torch.Tensor, bits: int, symmetric: bool):
+def round_group_jointly(
+    values: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    factor: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+):
     """(levels, carried errors) [rows, width] float32; None if the group is too wide."""
     rows, width = values.shape
     if width > 256 or values.dtype != torch.float32 or values.stride(1) != 1:
@@ -60,7 +80,22 @@ def round_group_jointly(values: torch.Tensor, step: torch.Tensor, low: torch.Ten
     carried = torch.empty_like(levels)
     factor = factor.contiguous()
     grid = (triton.cdiv(rows, block_rows),)
-    _round_group_kernel[grid](values, values.stride(0), step.float().contiguous(), low.float().contiguous(),
-                              factor, factor.stride(0), levels, carried, width, rows, width,
-                              QMIN=float(qmin), QMAX=float(qmax), BR=block_rows, G=group, num_warps=4)
+    _round_group_kernel[grid](
+        values,
+        values.stride(0),
+        step.float().contiguous(),
+        low.float().contiguous(),
+        factor,
+        factor.stride(0),
+        levels,
+        carried,
+        width,
+        rows,
+        width,
+        QMIN=float(qmin),
+        QMAX=float(qmax),
+        BR=block_rows,
+        G=group,
+        num_warps=4,
+    )
     return levels, carried

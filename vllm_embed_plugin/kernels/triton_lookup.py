@@ -34,8 +34,18 @@ from ..formats import Fp8Format, IntFormat, PackedRows, TableFormat
 
 
 @triton.jit
-def _piece(w, V: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-           scale, mn, APPLY_SCALE: tl.constexpr, HAS_MIN: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _piece(
+    w,
+    V: tl.constexpr,
+    BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FP8: tl.constexpr,
+    scale,
+    mn,
+    APPLY_SCALE: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """Value V (0..7) of every chunk word `w` (uint64), dequantized to OUT_DTYPE."""
     if FP8:
         q = ((w >> (8 * V)) & 0xFF).to(tl.uint8)
@@ -53,10 +63,22 @@ def _piece(w, V: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl
 
 
 @triton.jit
-def dequant_chunks(units_ptr, row_off, chunk, mask, scale, mn,
-                   BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
-                   SIGNED: tl.constexpr, FP8: tl.constexpr, APPLY_SCALE: tl.constexpr,
-                   HAS_MIN: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def dequant_chunks(
+    units_ptr,
+    row_off,
+    chunk,
+    mask,
+    scale,
+    mn,
+    BITS: tl.constexpr,
+    U: tl.constexpr,
+    UNIT_BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FP8: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """Chunks `chunk` [1, NK] of the rows starting at unit offset `row_off` [R, 1]:
     returns [R, NK * 8] values in column order. `units_ptr` points at unsigned units of
     UNIT_BITS bits, U of them per chunk; `scale`/`mn` broadcast against [R, NK]."""
@@ -75,7 +97,9 @@ def dequant_chunks(units_ptr, row_off, chunk, mask, scale, mn,
     p7 = _piece(w, 7, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
     # join(a, b) adds a minor axis of 2; three levels give flat index 4p + 2q + r, so the
     # leaves go in bit-reversed order to come out as p0..p7.
-    t = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    t = tl.join(
+        tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7))
+    )
     R: tl.constexpr = t.shape[0]
     NK: tl.constexpr = t.shape[1]
     return tl.reshape(t, [R, NK * 8])
@@ -85,12 +109,30 @@ def dequant_chunks(units_ptr, row_off, chunk, mask, scale, mn,
 
 
 @triton.jit
-def _lookup_kernel(ids_ptr, units_ptr, scales_ptr, mins_ptr, out_ptr,
-                   n, cols, nchunk, code_stride, scale_stride, out_stride,
-                   BT: tl.constexpr, NK: tl.constexpr,
-                   BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
-                   GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                   HAS_MIN: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
+def _lookup_kernel(
+    ids_ptr,
+    units_ptr,
+    scales_ptr,
+    mins_ptr,
+    out_ptr,
+    n,
+    cols,
+    nchunk,
+    code_stride,
+    scale_stride,
+    out_stride,
+    BT: tl.constexpr,
+    NK: tl.constexpr,
+    BITS: tl.constexpr,
+    U: tl.constexpr,
+    UNIT_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    EVEN: tl.constexpr,
+    STREAM: tl.constexpr,
+):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BT + tl.arange(0, BT)
@@ -102,7 +144,9 @@ def _lookup_kernel(ids_ptr, units_ptr, scales_ptr, mins_ptr, out_ptr,
     else:
         mask = tmask[:, None] & (chunk < nchunk)[None, :]
     if GROUP == 0:  # one scale (and minimum) per row
-        scale = tl.load(scales_ptr + row * scale_stride, mask=tmask, other=0).to(tl.float32)[:, None]
+        scale = tl.load(scales_ptr + row * scale_stride, mask=tmask, other=0).to(tl.float32)[
+            :, None
+        ]
         if HAS_MIN:
             mn = tl.load(mins_ptr + row * scale_stride, mask=tmask, other=0).to(tl.float32)[:, None]
         else:
@@ -114,8 +158,22 @@ def _lookup_kernel(ids_ptr, units_ptr, scales_ptr, mins_ptr, out_ptr,
             mn = tl.load(mins_ptr + soff, mask=mask, other=0).to(tl.float32)
         else:
             mn = scale
-    vals = dequant_chunks(units_ptr, row[:, None] * code_stride, chunk[None, :], mask, scale, mn,
-                          BITS, U, UNIT_BITS, SIGNED, FP8, True, HAS_MIN, out_ptr.dtype.element_ty)
+    vals = dequant_chunks(
+        units_ptr,
+        row[:, None] * code_stride,
+        chunk[None, :],
+        mask,
+        scale,
+        mn,
+        BITS,
+        U,
+        UNIT_BITS,
+        SIGNED,
+        FP8,
+        True,
+        HAS_MIN,
+        out_ptr.dtype.element_ty,
+    )
     col = pid_c * (NK * 8) + tl.arange(0, NK * 8)
     optr = out_ptr + tok.to(tl.int64)[:, None] * out_stride + col[None, :]
     if EVEN:
@@ -197,8 +255,15 @@ def lookup_config(n: int, cols: int, spec: Spec) -> tuple[int, int, int, bool]:
     return bt, nk, warps, False
 
 
-def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype,
-           config: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def lookup(
+    fmt: TableFormat,
+    table: PackedRows,
+    ids: torch.Tensor,
+    cols: int,
+    dtype: torch.dtype,
+    config: tuple | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Fused lookup (into `out` [n, cols] if given); None if `fmt` is not one the kernel
     handles."""
     spec = spec_of(fmt, cols)
@@ -213,14 +278,35 @@ def lookup(fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dt
     units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
-    bt, nk, warps, stream = (tuple(config) + (False,))[:4] if config else lookup_config(n, cols, spec)
+    bt, nk, warps, stream = (
+        (tuple(config) + (False,))[:4] if config else lookup_config(n, cols, spec)
+    )
     nchunk = math.ceil(cols / 8)
     grid = (triton.cdiv(n, bt), triton.cdiv(nchunk, nk))
     _lookup_kernel[grid](
-        flat, units, scales, mins, out,
-        n, cols, nchunk, units.stride(0), scales.stride(0), out.stride(0),
-        BT=bt, NK=nk, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits,
-        GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
-        EVEN=cols % (nk * 8) == 0, STREAM=stream, num_warps=warps, enable_fp_fusion=False,
+        flat,
+        units,
+        scales,
+        mins,
+        out,
+        n,
+        cols,
+        nchunk,
+        units.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BT=bt,
+        NK=nk,
+        BITS=spec.bits,
+        U=per_chunk,
+        UNIT_BITS=unit_bits,
+        GROUP=spec.group,
+        SIGNED=spec.signed,
+        FP8=spec.fp8,
+        HAS_MIN=spec.has_min,
+        EVEN=cols % (nk * 8) == 0,
+        STREAM=stream,
+        num_warps=warps,
+        enable_fp_fusion=False,
     )
     return out.view(*ids.shape, cols)

@@ -40,11 +40,28 @@ def _safe_recip(scale):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bad_ptr,
-                     rows, cols, code_cols, groups, x_stride, code_stride, scale_stride,
-                     BR: tl.constexpr, NG: tl.constexpr, GP2: tl.constexpr, GROUP: tl.constexpr,
-                     MODE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                     RECIP: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    mins_ptr,
+    bad_ptr,
+    rows,
+    cols,
+    code_cols,
+    groups,
+    x_stride,
+    code_stride,
+    scale_stride,
+    BR: tl.constexpr,
+    NG: tl.constexpr,
+    GP2: tl.constexpr,
+    GROUP: tl.constexpr,
+    MODE: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    RECIP: tl.constexpr,
+):
     """MODE 0: symmetric int (absmax -> QMAX, llama.cpp's Q8_0), 1: affine int, 2: fp8 (absmax -> 448)."""
     pid_r = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -163,10 +180,27 @@ def quantize_rows_fast(
     mins = dst.mins if dst.mins is not None else dst.scales
     grid = (triton.cdiv(n, br), triton.cdiv(groups, ng))
     _quantize_kernel[grid](
-        rows, dst.codes, dst.scales, mins, bad,
-        n, cols, dst.codes.shape[1], groups, rows.stride(0), dst.codes.stride(0), dst.scales.stride(0),
-        BR=br, NG=ng, GP2=gp2, GROUP=0 if fmt.group_size is None else gcols,
-        MODE=mode, QMIN=qmin, QMAX=qmax, RECIP=recip, num_warps=warps,
+        rows,
+        dst.codes,
+        dst.scales,
+        mins,
+        bad,
+        n,
+        cols,
+        dst.codes.shape[1],
+        groups,
+        rows.stride(0),
+        dst.codes.stride(0),
+        dst.scales.stride(0),
+        BR=br,
+        NG=ng,
+        GP2=gp2,
+        GROUP=0 if fmt.group_size is None else gcols,
+        MODE=mode,
+        QMIN=qmin,
+        QMAX=qmax,
+        RECIP=recip,
+        num_warps=warps,
         enable_fp_fusion=False,
     )
     flagged = torch.nonzero(bad)

