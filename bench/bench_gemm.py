@@ -50,42 +50,93 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     """None = the shipped heuristic; the rest are what --sweep also times."""
     p = 32 * (bits // __import__("math").gcd(bits, 32)) // bits
     out: list[dict | None] = [None]
-    gemv = lambda bn, cpi, xp=True: dict(KIND="gemv", BM=1, BN=bn, T=max(1, cpi // p), num_warps=4,  # noqa: E731
-                                         num_stages=1, XPERM=xp)
-    rows = lambda bm, bn, cpi, xp=True: dict(KIND="rows", BM=bm, BN=bn, T=max(1, cpi // p), num_warps=4,  # noqa: E731
-                                             num_stages=1, XPERM=xp)
-    wdot = lambda bm, bn, cpt, w, st=1: dict(KIND="wdot", BM=bm, BN=bn, T=max(1, cpt // p), num_warps=w,  # noqa: E731
-                                             num_stages=st)
-    mma = lambda bm, bn, cpi, w: dict(KIND="mma", BM=bm, BN=bn, T=max(16, cpi // p), num_warps=w,  # noqa: E731
-                                      num_stages=1, XPERM=True)
+    gemv = lambda bn, cpi, xp=True: dict(
+        KIND="gemv",
+        BM=1,
+        BN=bn,
+        T=max(1, cpi // p),
+        num_warps=4,
+        num_stages=1,
+        XPERM=xp,
+    )
+    rows = lambda bm, bn, cpi, xp=True: dict(
+        KIND="rows",
+        BM=bm,
+        BN=bn,
+        T=max(1, cpi // p),
+        num_warps=4,
+        num_stages=1,
+        XPERM=xp,
+    )
+    wdot = lambda bm, bn, cpt, w, st=1: dict(
+        KIND="wdot",
+        BM=bm,
+        BN=bn,
+        T=max(1, cpt // p),
+        num_warps=w,
+        num_stages=st,
+    )
+    mma = lambda bm, bn, cpi, w: dict(
+        KIND="mma",
+        BM=bm,
+        BN=bn,
+        T=max(16, cpi // p),
+        num_warps=w,
+        num_stages=1,
+        XPERM=True,
+    )
     tiles = dict(KIND="tiles")  # the generic kernels (chunk unpack, tensor-core tiles)
     if WIDE and m <= 256 and (m > 1 or bits in (5, 6)):
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         grid = [(bn, cpt, 4, st) for bn in (32, 64, 128) for cpt in (128, 256) for st in (3, 4)]
         grid += [(128, cpt, 8, 3) for cpt in (128, 256)]
         if m > 16:
-            grid = [(bn, cpt, w, st) for bn, cpt, w, st in grid if bn >= 64 and cpt == 128] + [(256, 64, 8, 3), (128, 64, 8, 3)]
+            grid = [(bn, cpt, w, st) for bn, cpt, w, st in grid if bn >= 64 and cpt == 128] + [
+                (256, 64, 8, 3),
+                (128, 64, 8, 3),
+            ]
         out += [wdot(bm, bn, cpt, w, st) for bn, cpt, w, st in grid]
-        out += [dict(wdot(64 if m <= 64 else 128, bn, cpt, w, st), SWAP=False)
-                for bn, cpt, w, st in ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))]
+        out += [
+            dict(wdot(64 if m <= 64 else 128, bn, cpt, w, st), SWAP=False)
+            for bn, cpt, w, st in ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))
+        ]
     if m == 1:
         out += [gemv(16, 256, False), gemv(16, 256), gemv(32, 512), tiles]
     elif m <= 16:
-        out += [tiles, wdot(16, 128, 128, 4, 3), wdot(16, 128, 128, 4), wdot(16, 64, 128, 4, 3),
-                dict(wdot(16, 128, 128, 4, 3), GPOST=True), dict(wdot(16, 64, 128, 4, 3), GPOST=True)]
+        out += [
+            tiles,
+            wdot(16, 128, 128, 4, 3),
+            wdot(16, 128, 128, 4),
+            wdot(16, 64, 128, 4, 3),
+            dict(wdot(16, 128, 128, 4, 3), GPOST=True),
+            dict(wdot(16, 64, 128, 4, 3), GPOST=True),
+        ]
         if m == 2:
             out += [rows(2, 32, 256)]
         if bits == 5:
             out += [mma(16, 64 if m <= 4 else 128, 128, 4)]
     elif m <= 64:
-        out += [tiles, dict(wdot(64, 128, 128, 4, 3), SWAP=False), wdot(64, 64, 128, 4), wdot(64, 128, 128, 4),
-                wdot(64, 64, 128, 4, 3), dict(wdot(64, 128, 128, 4, 3), GPOST=True),
-                dict(KIND="cublas", CHUNK_BYTES=96 << 20)]
+        out += [
+            tiles,
+            dict(wdot(64, 128, 128, 4, 3), SWAP=False),
+            wdot(64, 64, 128, 4),
+            wdot(64, 128, 128, 4),
+            wdot(64, 64, 128, 4, 3),
+            dict(wdot(64, 128, 128, 4, 3), GPOST=True),
+            dict(KIND="cublas", CHUNK_BYTES=96 << 20),
+        ]
     elif m <= 256:
-        out += [tiles, dict(wdot(128, 128, 128, 4, 3), SWAP=False), dict(wdot(128, 128, 64, 8, 3), SWAP=False),
-                dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True)]
+        out += [
+            tiles,
+            dict(wdot(128, 128, 128, 4, 3), SWAP=False),
+            dict(wdot(128, 128, 64, 8, 3), SWAP=False),
+            dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True),
+        ]
     else:
-        out += [dict(KIND="cublas", CHUNK_BYTES=96 << 20), dict(KIND="cublas", CHUNK_BYTES=192 << 20)]
+        out += [
+            dict(KIND="cublas", CHUNK_BYTES=96 << 20),
+            dict(KIND="cublas", CHUNK_BYTES=192 << 20),
+        ]
     uniq, seen = [], set()
     for c in out:
         if cfg_str(c) not in seen:
@@ -120,7 +171,9 @@ def marlin_setup(rows: int, cols: int, bits: int, group: int):
     the codes, which the plugin cannot keep beside the lookup's), or None."""
     try:
         from vllm import _custom_ops as ops
-        from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            marlin_make_workspace_new,
+        )
         from vllm.scalar_type import scalar_types
     except Exception as exc:  # no vLLM here
         print(f"marlin: vllm does not import ({exc!r})", flush=True)
@@ -136,9 +189,27 @@ def marlin_setup(rows: int, cols: int, bits: int, group: int):
     ws = marlin_make_workspace_new(dev)
 
     def run(x):
-        return ops.marlin_gemm(x, None, mq, None, scales, None, None, empty, empty, empty, ws, qtype,
-                               size_m=x.shape[0], size_n=rows, size_k=cols, is_k_full=True,
-                               use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False)
+        return ops.marlin_gemm(
+            x,
+            None,
+            mq,
+            None,
+            scales,
+            None,
+            None,
+            empty,
+            empty,
+            empty,
+            ws,
+            qtype,
+            size_m=x.shape[0],
+            size_n=rows,
+            size_k=cols,
+            is_k_full=True,
+            use_atomic_add=False,
+            use_fp32_reduce=True,
+            is_zp_float=False,
+        )
 
     return run
 
@@ -155,7 +226,9 @@ def cell(t: float, bf: float, tgt: float | None, mark: str = "") -> str:
     return f"**{s}**" if tgt is not None and t / bf > tgt + 0.005 else s
 
 
-def bench_table(rows: int, cols: int, sweep: bool, log, ms=None, names=None, anchor=True) -> tuple[str, dict]:
+def bench_table(
+    rows: int, cols: int, sweep: bool, log, ms=None, names=None, anchor=True
+) -> tuple[str, dict]:
     ms = ms or MS
     names = names or SHIPPED
     xs = {m: torch.randn(m, cols, device="cuda").to(torch.bfloat16) for m in ms}
@@ -181,18 +254,30 @@ def bench_table(rows: int, cols: int, sweep: bool, log, ms=None, names=None, anc
             if sweep:
                 times = {}
                 for cfg in candidates(m, spec.bits):
-                    fn = lambda cfg=cfg, m=m: triton_linear.linear(fmt, packed, xs[m], cols, config=cfg)  # noqa: E731
+                    fn = lambda cfg=cfg, m=m: triton_linear.linear(
+                        fmt, packed, xs[m], cols, config=cfg
+                    )
                     try:
-                        times[cfg_str(cfg if cfg is not None else shipped)] = graph_time_us(fn, 20 if m <= 256 else 3)
+                        times[cfg_str(cfg if cfg is not None else shipped)] = graph_time_us(
+                            fn, 20 if m <= 256 else 3
+                        )
                     except Exception as exc:
                         log(f"  {name} M={m} {cfg_str(cfg)} failed: {exc!r}"[:300])
-                log(f"  {name} M={m} " + " ".join(f"[{k}] {v / bf[m]:.2f}" for k, v in sorted(times.items(), key=lambda kv: kv[1])))
+                log(
+                    f"  {name} M={m} "
+                    + " ".join(
+                        f"[{k}] {v / bf[m]:.2f}"
+                        for k, v in sorted(times.items(), key=lambda kv: kv[1])
+                    )
+                )
                 fastest = min(times, key=times.get)
                 if key in times and fastest != key and times[fastest] < 0.95 * times[key]:
                     mark = "†"
-                    notes.append(f"{label(name)} M={m}: {fastest} {times[fastest] / bf[m]:.2f}x in the sweep "
-                                 f"(shipped {key}: {times[key] / bf[m]:.2f}x)")
-            fn = lambda m=m: triton_linear.linear(fmt, packed, xs[m], cols)  # noqa: E731
+                    notes.append(
+                        f"{label(name)} M={m}: {fastest} {times[fastest] / bf[m]:.2f}x in the sweep "
+                        f"(shipped {key}: {times[key] / bf[m]:.2f}x)"
+                    )
+            fn = lambda m=m: triton_linear.linear(fmt, packed, xs[m], cols)
             t = median_time(fn, m)
             first = fn()
             same = all(torch.equal(first, fn()) for _ in range(9))
@@ -205,15 +290,24 @@ def bench_table(rows: int, cols: int, sweep: bool, log, ms=None, names=None, anc
         part = packed.rows(slice(0, 8192))
         m_err = 16 if 16 in xs else ms[-1]
         ref = xs[m_err].float() @ fmt.dequantize(part, cols, torch.bfloat16).float().T
-        err = ((triton_linear.linear(fmt, part, xs[m_err], cols).float() - ref).norm() / ref.norm()).item()
-        log(f"  {name}: rel. error {err:.1e} (M={m_err}), same bits over 10 calls at every M: {same_all}")
-        table_rows.append([label(name)] + [cell(best[m][0], bf[m], target(name, m), best[m][3]) for m in ms])
+        err = (
+            (triton_linear.linear(fmt, part, xs[m_err], cols).float() - ref).norm() / ref.norm()
+        ).item()
+        log(
+            f"  {name}: rel. error {err:.1e} (M={m_err}), same bits over 10 calls at every M: {same_all}"
+        )
+        table_rows.append(
+            [label(name)] + [cell(best[m][0], bf[m], target(name, m), best[m][3]) for m in ms]
+        )
         cfg_rows.append([label(name)] + [best[m][1] for m in ms])
         results[name] = best
         results.setdefault("errors", {})[name] = (err, same_all)
         del packed, part
         torch.cuda.empty_cache()
-    for bits, group, name in ((4, 32, "Marlin uint4b8 g32 (vLLM), anchor"), (8, 64, "Marlin uint8b128 g64 (vLLM), anchor")):
+    for bits, group, name in (
+        (4, 32, "Marlin uint4b8 g32 (vLLM), anchor"),
+        (8, 64, "Marlin uint8b128 g64 (vLLM), anchor"),
+    ):
         if not anchor:
             break
         try:
@@ -230,17 +324,25 @@ def bench_table(rows: int, cols: int, sweep: bool, log, ms=None, names=None, anc
         except Exception:
             log(f"  {name} failed:\n{traceback.format_exc()[-800:]}")
             table_rows.append([name] + ["failed"] * len(ms))
-    md = (f"**{rows} x {cols}** (ratio to BF16 cuBLAS in the same run; bold = misses its target)\n\n"
-          + md_table(["format"] + [f"M={m}" for m in ms], table_rows))
-    md += "\n\nKernel per cell (shipped heuristic):\n\n" + md_table(["format"] + [f"M={m}" for m in ms], cfg_rows)
+    md = (
+        f"**{rows} x {cols}** (ratio to BF16 cuBLAS in the same run; bold = misses its target)\n\n"
+        + md_table(["format"] + [f"M={m}" for m in ms], table_rows)
+    )
+    md += "\n\nKernel per cell (shipped heuristic):\n\n" + md_table(
+        ["format"] + [f"M={m}" for m in ms], cfg_rows
+    )
     if notes:
-        md += "\n\n† faster in the sweep than the shipped choice:\n\n" + "\n".join(f"- {n}" for n in notes)
+        md += "\n\n† faster in the sweep than the shipped choice:\n\n" + "\n".join(
+            f"- {n}" for n in notes
+        )
     return md, results
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="also time candidate configs, report the best")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time candidate configs, report the best"
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--tables", default="0,1")
     ap.add_argument("--no-precompile", action="store_true")
@@ -266,11 +368,18 @@ def main():
                 bits = spec_of(FORMATS[name], cols).bits
                 for m in ms:
                     for cfg in candidates(m, bits) if args.sweep else [None]:
-                        eff = cfg or triton_linear.linear_config(m, rows, cols, bits, spec_of(FORMATS[name], cols).fp8)
+                        eff = cfg or triton_linear.linear_config(
+                            m, rows, cols, bits, spec_of(FORMATS[name], cols).fp8
+                        )
                         if eff["KIND"] in ("cublas", "tiles"):
                             key = (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
                         else:  # the compiled variant: M only matters through the tile of rows
-                            key = (name, cols, cfg_str(eff), min(m, eff["BM"]) if eff["KIND"] in ("gemv", "rows") else eff["BM"])
+                            key = (
+                                name,
+                                cols,
+                                cfg_str(eff),
+                                min(m, eff["BM"]) if eff["KIND"] in ("gemv", "rows") else eff["BM"],
+                            )
                         if key not in seen:
                             seen.add(key)
                             jobs.append(("linear", FORMATS[name], cols, m, rows, cfg))
@@ -282,9 +391,11 @@ def main():
         parts.append(md + "\n")
         print(md, flush=True)
     if args.out:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        head = (f"Measured {stamp} on {torch.cuda.get_device_name()} (torch {torch.__version__}), "
-                f"`python bench/bench_gemm.py{' --sweep' if args.sweep else ''}`.\n\n")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        head = (
+            f"Measured {stamp} on {torch.cuda.get_device_name()} (torch {torch.__version__}), "
+            f"`python bench/bench_gemm.py{' --sweep' if args.sweep else ''}`.\n\n"
+        )
         with open(args.out, "w") as f:
             f.write(head + "\n".join(parts))
     log("done")

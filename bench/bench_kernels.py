@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import sys
@@ -48,7 +47,9 @@ FORMATS: list[tuple[str, TableFormat]] = [
 ]
 GEMM_TABLE = (262144, 2560)
 GEMM_MS = [1, 16, 256, 4096]  # the sweep below; bench_gemm.py has the section's sizes
-GEMM_FORMATS = [f for f in FORMATS if f[0] in ("int8 per-row", "int8 g64", "int4 g32", "int4 affine g64")]
+GEMM_FORMATS = [
+    f for f in FORMATS if f[0] in ("int8 per-row", "int8 g64", "int4 g32", "int4 affine g64")
+]
 HOST_NS = [1, 64, 256, 2048, 65536]
 
 
@@ -100,7 +101,9 @@ def random_packed(fmt: TableFormat, rows: int, cols: int, device="cuda", pin=Fal
     gen_dev = device
     step = 1 << 15
     for s in range(0, rows, step):
-        codes = torch.randint(0, 256, p.codes[s : s + step].shape, dtype=torch.uint8, device=gen_dev)
+        codes = torch.randint(
+            0, 256, p.codes[s : s + step].shape, dtype=torch.uint8, device=gen_dev
+        )
         if isinstance(fmt, Fp8Format):  # no NaN codes (S.1111.111)
             codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)
         p.codes[s : s + step].copy_(codes)
@@ -189,6 +192,7 @@ def bench_lookups(log, copy_bw, replays=200):
     for rows, cols in TABLES:
         weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
         ids_all = {n: torch.randint(0, rows, (n,), device="cuda") for n in NS}
+
         def timed(fn, n):  # small batches: 20 lookups per graph, 50 replays (1000 lookups)
             return graph_time_us(fn, 50, 20) if n <= 256 else graph_time_us(fn, replays)
 
@@ -199,25 +203,38 @@ def bench_lookups(log, copy_bw, replays=200):
             packed = random_packed(fmt, rows, cols)
             # spot check against the reference on this very table
             ids = ids_all[64]
-            exact = torch.equal(kernels.lookup(fmt, packed, ids, cols, torch.bfloat16),
-                                fmt.dequantize(packed.rows(ids), cols, torch.bfloat16))
-            times = {n: timed(lambda n=n: kernels.lookup(fmt, packed, ids_all[n], cols, torch.bfloat16), n)
-                     for n in NS}
+            exact = torch.equal(
+                kernels.lookup(fmt, packed, ids, cols, torch.bfloat16),
+                fmt.dequantize(packed.rows(ids), cols, torch.bfloat16),
+            )
+            times = {
+                n: timed(
+                    lambda n=n: kernels.lookup(fmt, packed, ids_all[n], cols, torch.bfloat16), n
+                )
+                for n in NS
+            }
             cells = [f"{times[n] / bf16[n]:.2f}x" for n in NS]
             result_rows.append([label] + cells + ["yes" if exact else "NO"])
             roof = []
             for n in (2048, 16384, 65536):
                 nbytes = lookup_bytes(fmt, packed, n, cols)
                 ideal = nbytes / HBM * 1e6
-                roof.append(f"{times[n]:.1f} us, {100 * ideal / times[n]:.0f}% ({100 * nbytes / (times[n] * 1e-6) / copy_bw:.0f}% of copy)")
+                roof.append(
+                    f"{times[n]:.1f} us, {100 * ideal / times[n]:.0f}% ({100 * nbytes / (times[n] * 1e-6) / copy_bw:.0f}% of copy)"
+                )
             roof_rows.append([label, f"{fmt.bits_per_weight(cols):.2f}"] + roof)
             summary[(rows, cols, label)] = (times, bf16)
-            log(f"{rows}x{cols} {label}: " + " ".join(f"n={n}:{times[n]:.1f}us/{times[n] / bf16[n]:.2f}x" for n in NS))
+            log(
+                f"{rows}x{cols} {label}: "
+                + " ".join(f"n={n}:{times[n]:.1f}us/{times[n] / bf16[n]:.2f}x" for n in NS)
+            )
             del packed
         bf_roof = []
         for n in (2048, 16384, 65536):
             nbytes = n * (8 + cols * 4)
-            bf_roof.append(f"{bf16[n]:.1f} us, {100 * nbytes / HBM * 1e6 / bf16[n]:.0f}% ({100 * nbytes / (bf16[n] * 1e-6) / copy_bw:.0f}% of copy)")
+            bf_roof.append(
+                f"{bf16[n]:.1f} us, {100 * nbytes / HBM * 1e6 / bf16[n]:.0f}% ({100 * nbytes / (bf16[n] * 1e-6) / copy_bw:.0f}% of copy)"
+            )
         roof_rows.insert(0, ["BF16 F.embedding", "16"] + bf_roof)
         sections.append(
             f"### {rows} x {cols}\n\nTime relative to BF16 `F.embedding` (first row: BF16 time); "
@@ -265,21 +282,30 @@ def bench_conversion(log):
     rows, cols = TABLES[0]
     weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
     out_rows, summary = [], {}
-    for label, fmt in [("int8 per-row", IntFormat("int8", 8, None)), ("int8 g32", IntFormat("int8", 8, 32)),
-                       ("fp8 per-row", Fp8Format("fp8", None))]:
+    for label, fmt in [
+        ("int8 per-row", IntFormat("int8", 8, None)),
+        ("int8 g32", IntFormat("int8", 8, 32)),
+        ("fp8 per-row", Fp8Format("fp8", None)),
+    ]:
         results = {}
         for path in ("torch (convert.py)", "Triton quantize_rows_fast"):
             if path.startswith("torch"):
-                fn = lambda: quantize_table(weight, fmt, fused=False)  # noqa: E731
+                fn = lambda: quantize_table(weight, fmt, fused=False)
             else:
-                fn = lambda: kernels.quantize_rows_fast(fmt, weight)  # noqa: E731
+                fn = lambda: kernels.quantize_rows_fast(fmt, weight)
             times, peak, results[path] = time_conversion(fn)
-            out_rows.append([label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB"])
+            out_rows.append(
+                [label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB"]
+            )
             summary[(label, path)] = (times, peak)
-            log(f"convert {label} {path}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB")
+            log(
+                f"convert {label} {path}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB"
+            )
         a, b = results.values()
-        exact = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                    for x, y in zip(a.tensors().values(), b.tensors().values()))
+        exact = all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            for x, y in zip(a.tensors().values(), b.tensors().values())
+        )
         out_rows[-1].append("yes" if exact else "NO")
         out_rows[-2].append("-")
         del results, a, b
@@ -293,17 +319,34 @@ def bench_conversion(log):
         for name in ("int8", "int5", "int4"):
             fmt = make_format(name, weighted=True)
             label = f"{_format_name(fmt)} + importance, {'tied' if joint else 'untied'}"
-            times, peak, _ = time_conversion(lambda: quantize_table(weight, fmt, importance=importance))
-            path = f"torch, search {fmt.search} each side" + (" + Triton joint rounding" if joint else "")
-            out_rows.append([label, path, f"{times[0]:.3f} s", f"{times[1]:.4f} s", f"{peak / 2**20:.0f} MiB", "-"])
+            times, peak, _ = time_conversion(
+                lambda: quantize_table(weight, fmt, importance=importance)
+            )
+            path = f"torch, search {fmt.search} each side" + (
+                " + Triton joint rounding" if joint else ""
+            )
+            out_rows.append(
+                [
+                    label,
+                    path,
+                    f"{times[0]:.3f} s",
+                    f"{times[1]:.4f} s",
+                    f"{peak / 2**20:.0f} MiB",
+                    "-",
+                ]
+            )
             summary[(label, path)] = (times, peak)
-            log(f"convert {label}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB")
+            log(
+                f"convert {label}: first {times[0]:.3f}s second {times[1]:.4f}s peak {peak / 2**20:.0f} MiB"
+            )
     del weight
     torch.cuda.empty_cache()
     return (
         f"Table {rows} x {cols} BF16 on the GPU. Transient = peak allocated minus input and output. "
         "'first' includes Triton's compile; 'identical' = same bytes as the torch path.\n\n"
-        + md_table(["format", "path", "first call", "second call", "transient", "identical"], out_rows)
+        + md_table(
+            ["format", "path", "first call", "second call", "transient", "identical"], out_rows
+        )
     ), summary
 
 
@@ -329,16 +372,30 @@ def bench_host(log):
         ids = torch.randint(0, rows, (n,), device="cuda")
         reps = 200 if n <= 2048 else 10
         exact = torch.equal(F.embedding(ids, host_view), F.embedding(ids, weight))
-        exact8 = torch.equal(kernels.lookup(fmt, packed_view, ids, cols, torch.bfloat16),
-                             kernels.lookup(fmt, packed_dev, ids, cols, torch.bfloat16))
+        exact8 = torch.equal(
+            kernels.lookup(fmt, packed_view, ids, cols, torch.bfloat16),
+            kernels.lookup(fmt, packed_dev, ids, cols, torch.bfloat16),
+        )
         hbm = graph_time_us(lambda: F.embedding(ids, weight), reps)
         hbf = graph_time_us(lambda: F.embedding(ids, host_view), reps)
-        h8 = graph_time_us(lambda: kernels.lookup(fmt, packed_view, ids, cols, torch.bfloat16), reps)
-        gbs = lambda t, b: f"{b * n / (t * 1e-6) / 1e9:.0f}" if n >= 64 else "-"  # noqa: E731
-        out_rows.append([n, f"{hbm:.1f}", f"{hbf:.1f} ({gbs(hbf, cols * 2)} GB/s)", f"{h8:.1f} ({gbs(h8, cols + 4)} GB/s)",
-                         f"{hbf - hbm:+.1f} / {h8 - hbm:+.1f}", "yes" if exact and exact8 else "NO"])
+        h8 = graph_time_us(
+            lambda: kernels.lookup(fmt, packed_view, ids, cols, torch.bfloat16), reps
+        )
+        gbs = lambda t, b: f"{b * n / (t * 1e-6) / 1e9:.0f}" if n >= 64 else "-"
+        out_rows.append(
+            [
+                n,
+                f"{hbm:.1f}",
+                f"{hbf:.1f} ({gbs(hbf, cols * 2)} GB/s)",
+                f"{h8:.1f} ({gbs(h8, cols + 4)} GB/s)",
+                f"{hbf - hbm:+.1f} / {h8 - hbm:+.1f}",
+                "yes" if exact and exact8 else "NO",
+            ]
+        )
         summary[n] = (hbm, hbf, h8)
-        log(f"host n={n}: hbm {hbm:.1f} host-bf16 {hbf:.1f} host-int8 {h8:.1f} exact {exact and exact8}")
+        log(
+            f"host n={n}: hbm {hbm:.1f} host-bf16 {hbf:.1f} host-int8 {h8:.1f} exact {exact and exact8}"
+        )
     del host_view, packed_view, host, packed_host, packed_dev, weight
     torch.cuda.empty_cache()
     return (
@@ -346,7 +403,17 @@ def bench_host(log):
         "(`kernels.host.cuda_view_of_pinned`); 'host int8' = the fused lookup reading a pinned per-row "
         "int8 table (codes and scales) through such views. GB/s = table bytes read from the host. "
         "'exact' = bit-identical to the same lookup from HBM.\n\n"
-        + md_table(["tokens", "BF16 in HBM us", "host BF16 us", "host int8 us", "overhead vs HBM (BF16 / int8) us", "exact"], out_rows)
+        + md_table(
+            [
+                "tokens",
+                "BF16 in HBM us",
+                "host BF16 us",
+                "host int8 us",
+                "overhead vs HBM (BF16 / int8) us",
+                "exact",
+            ],
+            out_rows,
+        )
     ), summary
 
 
@@ -371,7 +438,12 @@ def sweep(log, what):
         cfgs = [(1, 128, 1), (1, 128, 2), (2, 128, 2), (2, 128, 4), (4, 64, 2)]
         cfgs = cfgs + [c + (True,) for c in cfgs]
         cases = [((248320, 5120), 65536), ((262144, 2560), 65536), ((248320, 5120), 16384)]
-        jobs = [("lookup", fmt, cols, n, rows, c) for (rows, cols), n in cases for _, fmt in fmts for c in cfgs]
+        jobs = [
+            ("lookup", fmt, cols, n, rows, c)
+            for (rows, cols), n in cases
+            for _, fmt in fmts
+            for c in cfgs
+        ]
         precompile(_uniq(jobs), workers=14)
         for (rows, cols), n in cases:
             weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
@@ -380,24 +452,59 @@ def sweep(log, what):
             del weight
             for label, fmt in fmts:
                 packed = random_packed(fmt, rows, cols)
-                res = sorted((graph_time_us(lambda: triton_lookup.lookup(fmt, packed, ids, cols, torch.bfloat16, config=c), 100), c)
-                             for c in cfgs)
+                res = sorted(
+                    (
+                        graph_time_us(
+                            lambda: triton_lookup.lookup(
+                                fmt, packed, ids, cols, torch.bfloat16, config=c
+                            ),
+                            100,
+                        ),
+                        c,
+                    )
+                    for c in cfgs
+                )
                 roof = lookup_bytes(fmt, packed, n, cols) / HBM * 1e6
-                log(f"SWEEP {rows}x{cols} n={n} {label}: bf16 {bf:.1f} | best "
-                    + ", ".join(f"{c}:{t:.1f}({100 * roof / t:.0f}%)" for t, c in res[:5]) + f" | worst {res[-1][1]}:{res[-1][0]:.1f}")
+                log(
+                    f"SWEEP {rows}x{cols} n={n} {label}: bf16 {bf:.1f} | best "
+                    + ", ".join(f"{c}:{t:.1f}({100 * roof / t:.0f}%)" for t, c in res[:5])
+                    + f" | worst {res[-1][1]}:{res[-1][0]:.1f}"
+                )
                 del packed
             torch.cuda.empty_cache()
     if "gemm" in what:
         rows, cols = GEMM_TABLE
         fmts = GEMM_FORMATS[:2]
-        gemv = [dict(GEMV=True, BN=bn, BK=bk, num_warps=w, num_stages=1)
-                for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8)
-                if 8 <= bn * bk // (32 * w) <= 64]
-        tiled = [dict(BM=16, BN=bn, BK=bk, SWAP=True, num_warps=4, num_stages=st)
-                 for bn in (32, 64, 128) for bk in (128, 256) for st in (2, 4)]
-        plan = {1: gemv, 4: gemv[:0] + [dict(GEMV=True, BN=16, BK=bk, num_warps=w, num_stages=1)
-                                        for bk in (64, 128) for w in (2, 4)] + tiled, 16: tiled}
-        jobs = [("linear", fmt, cols, m, rows, c) for _, fmt in fmts for m, cs in plan.items() for c in cs]
+        gemv = [
+            dict(GEMV=True, BN=bn, BK=bk, num_warps=w, num_stages=1)
+            for bn in (8, 16, 32)
+            for bk in (128, 256, 512)
+            for w in (2, 4, 8)
+            if 8 <= bn * bk // (32 * w) <= 64
+        ]
+        tiled = [
+            dict(BM=16, BN=bn, BK=bk, SWAP=True, num_warps=4, num_stages=st)
+            for bn in (32, 64, 128)
+            for bk in (128, 256)
+            for st in (2, 4)
+        ]
+        plan = {
+            1: gemv,
+            4: gemv[:0]
+            + [
+                dict(GEMV=True, BN=16, BK=bk, num_warps=w, num_stages=1)
+                for bk in (64, 128)
+                for w in (2, 4)
+            ]
+            + tiled,
+            16: tiled,
+        }
+        jobs = [
+            ("linear", fmt, cols, m, rows, c)
+            for _, fmt in fmts
+            for m, cs in plan.items()
+            for c in cs
+        ]
         jobs += [("linear", fmt, cols, m, rows, None) for _, fmt in fmts for m in (1, 4, 16)]
         precompile(_uniq(jobs), workers=14)
         weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
@@ -410,14 +517,22 @@ def sweep(log, what):
                 res = []
                 for cfg in cs:
                     try:
-                        t = graph_time_us(lambda: triton_linear.linear(fmt, packed, x, cols, config=cfg), 30)
+                        t = graph_time_us(
+                            lambda: triton_linear.linear(fmt, packed, x, cols, config=cfg), 30
+                        )
                     except Exception as exc:  # e.g. out of shared memory
                         log(f"  cfg {cfg} failed: {str(exc)[:100]}")
                         continue
                     res.append((t, cfg))
                 res.sort(key=lambda r: r[0])
-                fmt_cfg = lambda c: ("gemv " if c.get("GEMV") else f"{c.get('BM')}/") + f"{c['BN']}/{c['BK']}/w{c['num_warps']}/s{c['num_stages']}"  # noqa: E731
-                log(f"GSWEEP M={m} {label}: bf16 {bf:.0f} default {td:.0f} ({td / bf:.2f}x) | " + ", ".join(f"{fmt_cfg(c)}:{t:.0f}" for t, c in res[:6]))
+                fmt_cfg = lambda c: (
+                    ("gemv " if c.get("GEMV") else f"{c.get('BM')}/")
+                    + f"{c['BN']}/{c['BK']}/w{c['num_warps']}/s{c['num_stages']}"
+                )
+                log(
+                    f"GSWEEP M={m} {label}: bf16 {bf:.0f} default {td:.0f} ({td / bf:.2f}x) | "
+                    + ", ".join(f"{fmt_cfg(c)}:{t:.0f}" for t, c in res[:6])
+                )
                 del packed
         del weight
 
@@ -425,12 +540,13 @@ def sweep(log, what):
 def profile_gemm(cfgs):
     """One call of each config (for ncu)."""
     rows, cols = GEMM_TABLE
-    for (label, fmt), m, cfg in cfgs:
+    for (_label, fmt), m, cfg in cfgs:
         packed = random_packed(fmt, rows, cols)
         x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
         for _ in range(2):
             kernels.linear(fmt, packed, x, cols) if cfg is None else __import__(
-                "vllm_embed_plugin.kernels.triton_linear", fromlist=["x"]).linear(fmt, packed, x, cols, config=cfg)
+                "vllm_embed_plugin.kernels.triton_linear", fromlist=["x"]
+            ).linear(fmt, packed, x, cols, config=cfg)
         torch.cuda.synchronize()
 
 
@@ -452,8 +568,20 @@ def main():
 
     torch.manual_seed(0)
     if args.profile:
-        profile_gemm([(GEMM_FORMATS[0], 1, dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4, FAST=False)),
-                      (GEMM_FORMATS[1], 1, dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4, FAST=False))])
+        profile_gemm(
+            [
+                (
+                    GEMM_FORMATS[0],
+                    1,
+                    dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4, FAST=False),
+                ),
+                (
+                    GEMM_FORMATS[1],
+                    1,
+                    dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4, FAST=False),
+                ),
+            ]
+        )
         return
     if args.sweep:
         copy_bw = copy_bandwidth()
@@ -481,8 +609,8 @@ def main():
 
 Written by `bench/bench_kernels.py`; do not edit by hand.
 
-- command: `python bench/bench_kernels.py {' '.join(sys.argv[1:])}`
-- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}
+- command: `python bench/bench_kernels.py {" ".join(sys.argv[1:])}`
+- date: {datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 - device: {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB), driver CUDA {torch.version.cuda}
 - torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}
 - method: mean over CUDA-graph replays after warm-up, timed with CUDA events; BF16 baselines
@@ -498,11 +626,16 @@ Written by `bench/bench_kernels.py`; do not edit by hand.
 """
     body = [head]
     if "lookup" in parts:
-        body.append("## Lookup (embedding gather + unpack + dequantize), output BF16\n\n" + parts["lookup"])
+        body.append(
+            "## Lookup (embedding gather + unpack + dequantize), output BF16\n\n" + parts["lookup"]
+        )
     if "gemm" in parts:
         body.append("## Tied LM head: logits = x @ W^T\n\n" + parts["gemm"])
     if "conversion" in parts:
-        body.append("## Conversion on the GPU (formats.quantize_table vs the one-pass kernel)\n\n" + parts["conversion"])
+        body.append(
+            "## Conversion on the GPU (convert.quantize_table vs the one-pass kernel)\n\n"
+            + parts["conversion"]
+        )
     if "host" in parts:
         body.append("## Table in pinned host memory (UVA, zero-copy)\n\n" + parts["host"])
     text = "\n\n".join(body) + "\n"

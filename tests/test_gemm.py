@@ -80,6 +80,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.interpreter
 def test_gemm_kernels_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
