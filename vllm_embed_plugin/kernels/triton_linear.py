@@ -49,32 +49,12 @@ from .triton_lookup import dequant_chunks, spec_of, units_of
 
 
 @triton.jit
-def _weight_tile(
-    units_ptr,
-    codes8_ptr,
-    row_off,
-    row_off8,
-    kc,
-    cmask,
-    scales_ptr,
-    mins_ptr,
-    rn_safe,
-    scale_stride,
-    srow,
-    mrow,
-    BN: tl.constexpr,
-    NKC: tl.constexpr,
-    FAST: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    UNIT_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    POST_SCALE: tl.constexpr,
-    DT: tl.constexpr,
-):
+def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                 rn_safe, scale_stride, srow, mrow,
+                 BN: tl.constexpr, NKC: tl.constexpr, FAST: tl.constexpr,
+                 BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                 HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr):
     """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
     value, or 4-bit codes as bytes split into nibbles, with group scales broadcast over
     [BN, groups, GROUP] (GROUP a power of two dividing the tile); otherwise the generic
@@ -102,10 +82,8 @@ def _weight_tile(
             lo = raw & 255
             hi = raw >> 8
             if FP8:
-                v = tl.interleave(
-                    lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
-                    hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
-                )
+                v = tl.interleave(lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                                  hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
             else:
                 if SIGNED:
                     lo = (lo ^ 128) - 128
@@ -145,59 +123,19 @@ def _weight_tile(
                 mn = tl.load(mins_ptr + soff, mask=cmask, other=0).to(tl.float32)
             else:
                 mn = scale
-        return dequant_chunks(
-            units_ptr,
-            row_off,
-            chunk[None, :],
-            cmask,
-            scale,
-            mn,
-            BITS,
-            U,
-            UNIT_BITS,
-            SIGNED,
-            FP8,
-            not POST_SCALE,
-            HAS_MIN,
-            DT,
-        )
+        return dequant_chunks(units_ptr, row_off, chunk[None, :], cmask, scale, mn,
+                              BITS, U, UNIT_BITS, SIGNED, FP8, not POST_SCALE, HAS_MIN, DT)
 
 
 @triton.jit
-def _linear_kernel(
-    x_ptr,
-    units_ptr,
-    codes8_ptr,
-    scales_ptr,
-    mins_ptr,
-    out_ptr,
-    M,
-    N,
-    cols,
-    nchunk,
-    k_chunks_per_split,
-    stride_xm,
-    code_stride,
-    code8_stride,
-    scale_stride,
-    stride_om,
-    stride_split,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    NKC: tl.constexpr,
-    SWAP: tl.constexpr,
-    SPLIT: tl.constexpr,
-    POST_SCALE: tl.constexpr,
-    FAST: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    UNIT_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
+def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
+                   M, N, cols, nchunk, k_chunks_per_split, stride_xm, code_stride, code8_stride,
+                   scale_stride, stride_om, stride_split,
+                   BM: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, SWAP: tl.constexpr,
+                   SPLIT: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr,
+                   BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                   GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -227,40 +165,15 @@ def _linear_kernel(
             cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
         else:
             cmask = (chunk < k_end)[None, :] & (rn_safe >= 0)[:, None]
-        w = _weight_tile(
-            units_ptr,
-            codes8_ptr,
-            row_off,
-            row_off8,
-            kc,
-            cmask,
-            scales_ptr,
-            mins_ptr,
-            rn_safe,
-            scale_stride,
-            srow,
-            mrow,
-            BN,
-            NKC,
-            FAST,
-            BITS,
-            U,
-            UNIT_BITS,
-            GROUP,
-            SIGNED,
-            FP8,
-            HAS_MIN,
-            POST_SCALE,
-            xdt,
-        )
+        w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                         rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
+                         GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, xdt)
         kk = kc * 8 + tl.arange(0, NKC * 8)
         if EVEN_K:
             xmask = mmask[:, None] & (kk >= 0)[None, :]
         else:
             xmask = mmask[:, None] & (kk < tl.minimum(k_end * 8, cols))[None, :]
-        xt = tl.load(
-            x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0
-        )
+        xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
         if SWAP:
             acc = tl.dot(w, tl.trans(xt), acc)
         else:
@@ -283,37 +196,12 @@ def _linear_kernel(
 
 
 @triton.jit
-def _gemv_step(
-    x_ptr,
-    units_ptr,
-    codes8_ptr,
-    row_off,
-    row_off8,
-    kc,
-    rn_safe,
-    scales_ptr,
-    mins_ptr,
-    scale_stride,
-    srow,
-    mrow,
-    M,
-    cols,
-    nchunk,
-    stride_xm,
-    MP: tl.constexpr,
-    BN: tl.constexpr,
-    NKC: tl.constexpr,
-    POST_SCALE: tl.constexpr,
-    FAST: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    UNIT_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
+def _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe, scales_ptr, mins_ptr,
+               scale_stride, srow, mrow, M, cols, nchunk, stride_xm,
+               MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
+               FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+               GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
     BK: tl.constexpr = NKC * 8
     chunk = kc + tl.arange(0, NKC)
@@ -321,32 +209,9 @@ def _gemv_step(
         cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
     else:
         cmask = (chunk < nchunk)[None, :] & (rn_safe >= 0)[:, None]
-    w = _weight_tile(
-        units_ptr,
-        codes8_ptr,
-        row_off,
-        row_off8,
-        kc,
-        cmask,
-        scales_ptr,
-        mins_ptr,
-        rn_safe,
-        scale_stride,
-        srow,
-        mrow,
-        BN,
-        NKC,
-        FAST,
-        BITS,
-        U,
-        UNIT_BITS,
-        GROUP,
-        SIGNED,
-        FP8,
-        HAS_MIN,
-        POST_SCALE,
-        tl.float32,
-    )
+    w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                     rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
+                     GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, tl.float32)
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -354,59 +219,20 @@ def _gemv_step(
     p2 = p0
     p3 = p0
     if MP > 1:
-        p1 = (
-            w
-            * tl.load(x_ptr + stride_xm + kk, mask=kmask & (kk * 0 + M > 1), other=0).to(
-                tl.float32
-            )[None, :]
-        )
+        p1 = w * tl.load(x_ptr + stride_xm + kk, mask=kmask & (kk * 0 + M > 1), other=0).to(tl.float32)[None, :]
     if MP > 2:
-        p2 = (
-            w
-            * tl.load(x_ptr + 2 * stride_xm + kk, mask=kmask & (kk * 0 + M > 2), other=0).to(
-                tl.float32
-            )[None, :]
-        )
-        p3 = (
-            w
-            * tl.load(x_ptr + 3 * stride_xm + kk, mask=kmask & (kk * 0 + M > 3), other=0).to(
-                tl.float32
-            )[None, :]
-        )
+        p2 = w * tl.load(x_ptr + 2 * stride_xm + kk, mask=kmask & (kk * 0 + M > 2), other=0).to(tl.float32)[None, :]
+        p3 = w * tl.load(x_ptr + 3 * stride_xm + kk, mask=kmask & (kk * 0 + M > 3), other=0).to(tl.float32)[None, :]
     return p0, p1, p2, p3
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr,
-    units_ptr,
-    codes8_ptr,
-    scales_ptr,
-    mins_ptr,
-    out_ptr,
-    M,
-    N,
-    cols,
-    nchunk,
-    stride_xm,
-    code_stride,
-    code8_stride,
-    scale_stride,
-    stride_om,
-    MP: tl.constexpr,
-    BN: tl.constexpr,
-    NKC: tl.constexpr,
-    POST_SCALE: tl.constexpr,
-    FAST: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    UNIT_BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
+def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, cols, nchunk, stride_xm, code_stride, code8_stride, scale_stride, stride_om,
+                 MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
+                 FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
     rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
     reduced once at the end. No tensor cores, no shared-memory staging."""
@@ -424,69 +250,15 @@ def _gemv_kernel(
             mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
     # The first block is peeled: the partial sums take the layout of the weight loads
     # (16-byte vectors) instead of a default one that would split the loads into bytes.
-    acc0, acc1, acc2, acc3 = _gemv_step(
-        x_ptr,
-        units_ptr,
-        codes8_ptr,
-        row_off,
-        row_off8,
-        0,
-        rn_safe,
-        scales_ptr,
-        mins_ptr,
-        scale_stride,
-        srow,
-        mrow,
-        M,
-        cols,
-        nchunk,
-        stride_xm,
-        MP,
-        BN,
-        NKC,
-        POST_SCALE,
-        FAST,
-        BITS,
-        U,
-        UNIT_BITS,
-        GROUP,
-        SIGNED,
-        FP8,
-        HAS_MIN,
-        EVEN_K,
-    )
+    acc0, acc1, acc2, acc3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, 0, rn_safe,
+                                        scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
+                                        nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
+                                        UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
     for kc in range(NKC, nchunk, NKC):
-        p0, p1, p2, p3 = _gemv_step(
-            x_ptr,
-            units_ptr,
-            codes8_ptr,
-            row_off,
-            row_off8,
-            kc,
-            rn_safe,
-            scales_ptr,
-            mins_ptr,
-            scale_stride,
-            srow,
-            mrow,
-            M,
-            cols,
-            nchunk,
-            stride_xm,
-            MP,
-            BN,
-            NKC,
-            POST_SCALE,
-            FAST,
-            BITS,
-            U,
-            UNIT_BITS,
-            GROUP,
-            SIGNED,
-            FP8,
-            HAS_MIN,
-            EVEN_K,
-        )
+        p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe,
+                                    scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
+                                    nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
+                                    UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -497,22 +269,11 @@ def _gemv_kernel(
     scale = tl.reshape(srow, [BN]) if POST_SCALE else 1.0
     tl.store(out_ptr + rn, (tl.sum(acc0, axis=1) * scale).to(odt), mask=nmask)
     if MP > 1:
-        tl.store(
-            out_ptr + stride_om + rn,
-            (tl.sum(acc1, axis=1) * scale).to(odt),
-            mask=nmask & (rn * 0 + M > 1),
-        )
+        tl.store(out_ptr + stride_om + rn, (tl.sum(acc1, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 1))
     if MP > 2:
-        tl.store(
-            out_ptr + 2 * stride_om + rn,
-            (tl.sum(acc2, axis=1) * scale).to(odt),
-            mask=nmask & (rn * 0 + M > 2),
-        )
-        tl.store(
-            out_ptr + 3 * stride_om + rn,
-            (tl.sum(acc3, axis=1) * scale).to(odt),
-            mask=nmask & (rn * 0 + M > 3),
-        )
+        tl.store(out_ptr + 2 * stride_om + rn, (tl.sum(acc2, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 2))
+        tl.store(out_ptr + 3 * stride_om + rn, (tl.sum(acc3, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 3))
+
 
 
 # -- packed words: the small-M kernels ------------------------------------------------------
@@ -546,20 +307,8 @@ def _pick(w0, w1, w2, w3, w4, w5, w6, A: tl.constexpr):
 
 
 @triton.jit
-def _level(
-    w0,
-    w1,
-    w2,
-    w3,
-    w4,
-    w5,
-    w6,
-    J: tl.constexpr,
-    BITS: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    MAGIC: tl.constexpr,
-):
+def _level(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr,
+           SIGNED: tl.constexpr, FP8: tl.constexpr, MAGIC: tl.constexpr):
     """Piece J of every block, as float32 levels (fp8: values)."""
     LO: tl.constexpr = J * BITS
     A: tl.constexpr = LO // 32
@@ -624,38 +373,14 @@ def _load_words(wp, U: tl.constexpr, mask, EVEN: tl.constexpr = False):
 
 
 @triton.jit
-def _words_kernel(
-    x_ptr,
-    words_ptr,
-    scales_ptr,
-    mins_ptr,
-    out_ptr,
-    M,
-    N,
-    nblk,
-    blk_per_split,
-    stride_xm,
-    word_stride,
-    scale_stride,
-    stride_om,
-    stride_split,
-    MMA: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    T: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    P: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    MAGIC: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EVEN: tl.constexpr,
-    SB: tl.constexpr,
-    XPERM: tl.constexpr,
-):
+def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                  M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                  stride_split,
+                  MMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+                  BITS: tl.constexpr, U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr,
+                  SIGNED: tl.constexpr, FP8: tl.constexpr, HAS_MIN: tl.constexpr,
+                  MAGIC: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                  SB: tl.constexpr, XPERM: tl.constexpr):
     """logits[rm, rn] for BN rows of W against BM rows of x (padded with zero rows).
 
     MMA: tensor cores on the transposed product (dequantized W piece [BN, T] @ x piece^T
@@ -708,9 +433,7 @@ def _words_kernel(
                 mblk = sblk
                 if HAS_MIN:
                     mg = tl.load(mins_ptr + soff).to(tl.float32)
-                    mblk = tl.reshape(
-                        tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T]
-                    )
+                    mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
             elif BLOCK_SCALE:
                 soff = rn_safe[:, None] * scale_stride + ((t * P) // GROUP)[None, :]
                 sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
@@ -749,17 +472,10 @@ def _words_kernel(
                         if HAS_MIN:
                             lev = lev + mblk
                 if EVEN:
-                    xt = tl.load(
-                        x_ptr + rm[:, None] * stride_xm + xcol[None, :],
-                        mask=mmask[:, None],
-                        other=0,
-                    )
+                    xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :], mask=mmask[:, None], other=0)
                 else:
-                    xt = tl.load(
-                        x_ptr + rm[:, None] * stride_xm + xcol[None, :],
-                        mask=mmask[:, None] & tmask[None, :],
-                        other=0,
-                    )
+                    xt = tl.load(x_ptr + rm[:, None] * stride_xm + xcol[None, :],
+                                 mask=mmask[:, None] & tmask[None, :], other=0)
                 acc = tl.dot(lev.to(xdt), tl.trans(xt), acc)
             else:
                 if EVEN:
@@ -769,18 +485,12 @@ def _words_kernel(
                 p0 += lev * x0[None, :]
                 xs0 += x0
                 if BM > 1:
-                    x1 = tl.load(
-                        x_ptr + stride_xm + xcol, mask=tmask & (t * 0 + M > 1), other=0
-                    ).to(tl.float32)
+                    x1 = tl.load(x_ptr + stride_xm + xcol, mask=tmask & (t * 0 + M > 1), other=0).to(tl.float32)
                     p1 += lev * x1[None, :]
                     xs1 += x1
                 if BM > 2:
-                    x2 = tl.load(
-                        x_ptr + 2 * stride_xm + xcol, mask=tmask & (t * 0 + M > 2), other=0
-                    ).to(tl.float32)
-                    x3 = tl.load(
-                        x_ptr + 3 * stride_xm + xcol, mask=tmask & (t * 0 + M > 3), other=0
-                    ).to(tl.float32)
+                    x2 = tl.load(x_ptr + 2 * stride_xm + xcol, mask=tmask & (t * 0 + M > 2), other=0).to(tl.float32)
+                    x3 = tl.load(x_ptr + 3 * stride_xm + xcol, mask=tmask & (t * 0 + M > 3), other=0).to(tl.float32)
                     p2 += lev * x2[None, :]
                     p3 += lev * x3[None, :]
                     xs2 += x2
@@ -876,72 +586,17 @@ def _n16(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
 
 
 @triton.jit
-def _n32(
-    p0,
-    p1,
-    p2,
-    p3,
-    p4,
-    p5,
-    p6,
-    p7,
-    p8,
-    p9,
-    p10,
-    p11,
-    p12,
-    p13,
-    p14,
-    p15,
-    p16,
-    p17,
-    p18,
-    p19,
-    p20,
-    p21,
-    p22,
-    p23,
-    p24,
-    p25,
-    p26,
-    p27,
-    p28,
-    p29,
-    p30,
-    p31,
-):
+def _n32(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, p16, p17, p18, p19, p20, p21, p22, p23, p24, p25, p26, p27, p28, p29, p30, p31):
     e = _n16(p0, p2, p4, p6, p8, p10, p12, p14, p16, p18, p20, p22, p24, p26, p28, p30)
     o = _n16(p1, p3, p5, p7, p9, p11, p13, p15, p17, p19, p21, p23, p25, p27, p29, p31)
     return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 32])
 
 
 @triton.jit
-def _wpiece(
-    w0,
-    w1,
-    w2,
-    w3,
-    w4,
-    w5,
-    w6,
-    J: tl.constexpr,
-    BITS: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    PRE: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr,
-    sblk,
-    mblk,
-    soff0,
-    t,
-    scales_ptr,
-    mins_ptr,
-    wmask,
-    P: tl.constexpr,
-    GROUP: tl.constexpr,
-    DT: tl.constexpr,
-):
+def _wpiece(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr,
+            FP8: tl.constexpr, PRE: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+            sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr,
+            DT: tl.constexpr):
     """Piece J of every block [BN, T], dequantized (PRE) or as levels, in DT."""
     lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, True)
     if not BLOCK_SCALE:  # the block spans groups: this piece's own scales
@@ -957,1639 +612,30 @@ def _wpiece(
 
 
 @triton.jit
-def _wtile(
-    w0,
-    w1,
-    w2,
-    w3,
-    w4,
-    w5,
-    w6,
-    BITS: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    PRE: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr,
-    sblk,
-    mblk,
-    soff0,
-    t,
-    scales_ptr,
-    mins_ptr,
-    wmask,
-    P: tl.constexpr,
-    GROUP: tl.constexpr,
-    DT: tl.constexpr,
-):
+def _wtile(w0, w1, w2, w3, w4, w5, w6, BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+           PRE: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr, sblk, mblk, soff0, t,
+           scales_ptr, mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
     """The tile [BN, T * P] in column order."""
     if P == 4:
-        v = _n4(
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                0,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                1,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                2,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                3,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-        )
+        v = _n4(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
     elif P == 8:
-        v = _n8(
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                0,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                1,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                2,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                3,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                4,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                5,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                6,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                7,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-        )
+        v = _n8(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
     elif P == 16:
-        v = _n16(
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                0,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                1,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                2,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                3,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                4,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                5,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                6,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                7,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                8,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                9,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                10,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                11,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                12,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                13,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                14,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                15,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-        )
+        v = _n16(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
     else:
-        v = _n32(
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                0,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                1,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                2,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                3,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                4,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                5,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                6,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                7,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                8,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                9,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                10,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                11,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                12,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                13,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                14,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                15,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                16,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                17,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                18,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                19,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                20,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                21,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                22,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                23,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                24,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                25,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                26,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                27,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                28,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                29,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                30,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-            _wpiece(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                31,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                DT,
-            ),
-        )
+        v = _n32(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 16, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 17, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 18, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 19, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 20, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 21, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 22, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 23, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 24, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 25, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 26, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 27, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 28, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 29, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 30, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 31, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
     return tl.reshape(v, [v.shape[0], v.shape[1] * P])
 
 
 @triton.jit
-def _wdot_kernel(
-    x_ptr,
-    words_ptr,
-    scales_ptr,
-    mins_ptr,
-    out_ptr,
-    M,
-    N,
-    nblk,
-    blk_per_split,
-    stride_xm,
-    word_stride,
-    scale_stride,
-    stride_om,
-    stride_split,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    T: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    P: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EVEN: tl.constexpr,
-    SB: tl.constexpr,
-    SWAP: tl.constexpr,
-    GPOST: tl.constexpr = False,
-):
+def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                 stride_split,
+                 BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, BITS: tl.constexpr,
+                 U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
+                 FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN: tl.constexpr, SB: tl.constexpr, SWAP: tl.constexpr,
+                 GPOST: tl.constexpr = False):
     """logits[rm, rn] for BN rows of W against up to BM rows of x (masked rows are zeros):
     per tile of T blocks, the words are decoded once into a [BN, T * P] tile in column order
     (scaled and rounded to x's dtype as the reference does, or raw levels with one scale per
@@ -2634,34 +680,9 @@ def _wdot_kernel(
                     xgmask = mmask[:, None] & (kg < k_end * P)[None, :]
                 wpg = words_ptr + rn_safe[:, None] * word_stride + (tg * U)[None, :]
                 g0, g1, g2, g3, g4, g5, g6 = _load_words(wpg, U, gmask, EVEN)
-                lev = _wtile(
-                    g0,
-                    g1,
-                    g2,
-                    g3,
-                    g4,
-                    g5,
-                    g6,
-                    BITS,
-                    SIGNED,
-                    FP8,
-                    False,
-                    HAS_MIN,
-                    True,
-                    srow,
-                    mrow,
-                    soff0,
-                    tg,
-                    scales_ptr,
-                    mins_ptr,
-                    gmask,
-                    P,
-                    GROUP,
-                    xdt,
-                )
-                xg = tl.load(
-                    x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0
-                )
+                lev = _wtile(g0, g1, g2, g3, g4, g5, g6, BITS, SIGNED, FP8, False, HAS_MIN, True,
+                             srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP, xdt)
+                xg = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0)
                 smask = (rn_safe[:, None] * 0 + (kt + g * TG)) < k_end  # [BN, 1]
                 sp = scales_ptr + soff0 + (kt * P) // GROUP + g
                 acc += tl.dot(lev, tl.trans(xg)) * tl.load(sp, mask=smask, other=0).to(tl.float32)
@@ -2687,47 +708,18 @@ def _wdot_kernel(
                     NG: tl.constexpr = K // GROUP
                     gi = (kt * P) // GROUP + tl.arange(0, NG)
                     sg = tl.load(scales_ptr + soff0 + gi[None, :]).to(tl.float32)
-                    sblk = tl.reshape(
-                        tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T]
-                    )
+                    sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
                     if HAS_MIN:
                         mg = tl.load(mins_ptr + soff0 + gi[None, :]).to(tl.float32)
-                        mblk = tl.reshape(
-                            tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T]
-                        )
+                        mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
                 else:
                     soff = soff0 + ((t * P) // GROUP)[None, :]
                     sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
                     if HAS_MIN:
                         mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
-            w = _wtile(
-                w0,
-                w1,
-                w2,
-                w3,
-                w4,
-                w5,
-                w6,
-                BITS,
-                SIGNED,
-                FP8,
-                PRE,
-                HAS_MIN,
-                BLOCK_SCALE,
-                sblk,
-                mblk,
-                soff0,
-                t,
-                scales_ptr,
-                mins_ptr,
-                wmask,
-                P,
-                GROUP,
-                xdt,
-            )
-            xt = tl.load(
-                x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0
-            )
+            w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk,
+                       mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
+            xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
             if SWAP:
                 acc = tl.dot(w, tl.trans(xt), acc)
             else:
@@ -2752,36 +744,13 @@ def _wdot_kernel(
 
 
 @triton.jit
-def _rows_kernel(
-    x_ptr,
-    words_ptr,
-    scales_ptr,
-    mins_ptr,
-    out_ptr,
-    M,
-    N,
-    nblk,
-    blk_per_split,
-    stride_xm,
-    word_stride,
-    scale_stride,
-    stride_om,
-    stride_split,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    T: tl.constexpr,
-    BITS: tl.constexpr,
-    U: tl.constexpr,
-    P: tl.constexpr,
-    GROUP: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FP8: tl.constexpr,
-    HAS_MIN: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EVEN: tl.constexpr,
-    SB: tl.constexpr,
-    XPERM: tl.constexpr,
-):
+def _rows_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
+                 stride_split,
+                 BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, BITS: tl.constexpr,
+                 U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
+                 FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN: tl.constexpr, SB: tl.constexpr, XPERM: tl.constexpr):
     """The CUDA-core word GEMV for BM rows of x at once: every weight is decoded once and
     multiplied with all BM rows ([BM, BN, T] float32 partial sums); the block's scale (and
     minimum times the block's sum of x) applied once per block and row."""
@@ -2824,9 +793,7 @@ def _rows_kernel(
                 sblk = tl.reshape(tl.broadcast_to(sg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
                 if HAS_MIN:
                     mg = tl.load(mins_ptr + soff0 + gi[None, :]).to(tl.float32)
-                    mblk = tl.reshape(
-                        tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T]
-                    )
+                    mblk = tl.reshape(tl.broadcast_to(mg[:, :, None], [BN, NG, GROUP // P]), [BN, T])
             else:
                 soff = soff0 + ((t * P) // GROUP)[None, :]
                 sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
@@ -2849,17 +816,11 @@ def _rows_kernel(
                 if HAS_MIN:
                     lev = lev + tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
             if EVEN:
-                xv = tl.load(
-                    x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
-                    mask=mmask[:, None],
-                    other=0,
-                ).to(tl.float32)
+                xv = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
+                             mask=mmask[:, None], other=0).to(tl.float32)
             else:
-                xv = tl.load(
-                    x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
-                    mask=mmask[:, None] & tmask[None, :],
-                    other=0,
-                ).to(tl.float32)
+                xv = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + xcol[None, :],
+                             mask=mmask[:, None] & tmask[None, :], other=0).to(tl.float32)
             p += lev[None, :, :] * xv[:, None, :]
             if HAS_MIN and BLOCK_SCALE:
                 xs += xv
@@ -2902,15 +863,8 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
             return dict(GEMV=True, BN=16, BK=256, num_warps=4, num_stages=1)
         return dict(GEMV=True, BN=16, BK=128, num_warps=2, num_stages=1)
     if m <= 16:
-        return dict(
-            BM=16,
-            BN=64,
-            BK=128,
-            SWAP=True,
-            num_warps=4,
-            num_stages=2 if bits == 8 else 4,
-            PAD_M=True,
-        )
+        return dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=2 if bits == 8 else 4,
+                    PAD_M=True)
     if m <= 64 or bits not in (4, 8):
         return dict(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
     if bits == 8:
@@ -2918,15 +872,8 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     return dict(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)
 
 
-def _linear_tiles(
-    fmt: TableFormat,
-    spec,
-    table: PackedRows,
-    x2: torch.Tensor,
-    cols: int,
-    out: torch.Tensor,
-    config: dict | None,
-) -> torch.Tensor:
+def _linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
+                  out: torch.Tensor, config: dict | None) -> torch.Tensor:
     """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
     m, n = x2.shape[0], table.num_rows
     units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
@@ -2949,41 +896,16 @@ def _linear_tiles(
         nkc = cfg["BK"] // 8
         nchunk = math.ceil(cols / 8)
         even_k = nchunk % nkc == 0 and cols % 8 == 0
-        group_ok = spec.group == 0 or (
-            spec.group & (spec.group - 1) == 0 and cfg["BK"] % spec.group == 0
-        )
+        group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and cfg["BK"] % spec.group == 0)
         fast = cfg.get("FAST", True) and even_k and spec.bits in (4, 8) and group_ok
         _gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            x2,
-            units,
-            table.codes,
-            scales,
-            mins,
-            out,
-            m,
-            n,
-            cols,
-            nchunk,
-            x2.stride(0),
-            units.stride(0),
-            table.codes.stride(0),
-            scales.stride(0),
-            out.stride(0),
-            MP=1 if m == 1 else (2 if m == 2 else 4),
-            BN=cfg["BN"],
-            NKC=nkc,
-            POST_SCALE=post,
-            FAST=fast,
-            BITS=spec.bits,
-            U=per_chunk,
-            UNIT_BITS=unit_bits,
-            GROUP=spec.group,
-            SIGNED=spec.signed,
-            FP8=spec.fp8,
-            HAS_MIN=spec.has_min,
-            EVEN_K=even_k,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            x2, units, table.codes, scales, mins, out,
+            m, n, cols, nchunk, x2.stride(0), units.stride(0), table.codes.stride(0),
+            scales.stride(0), out.stride(0),
+            MP=1 if m == 1 else (2 if m == 2 else 4), BN=cfg["BN"], NKC=nkc, POST_SCALE=post,
+            FAST=fast, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group,
+            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return out
     nchunk = math.ceil(cols / 8)
@@ -3005,48 +927,19 @@ def _linear_tiles(
     # Split the hidden size only when the vocabulary leaves multiprocessors idle.
     split = cfg.get("SPLIT_K") or 1
     if "SPLIT_K" not in cfg and grid_m * grid_n < 2 * _num_sms(x2.device):
-        split = max(
-            1, min(triton.cdiv(nchunk, nkc), (4 * _num_sms(x2.device)) // (grid_m * grid_n))
-        )
+        split = max(1, min(triton.cdiv(nchunk, nkc), (4 * _num_sms(x2.device)) // (grid_m * grid_n)))
     per_split = triton.cdiv(triton.cdiv(nchunk, split), nkc) * nkc  # a multiple of nkc
     split = triton.cdiv(nchunk, per_split)
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     stages = cfg["num_stages"]
     _linear_kernel[(grid_m, grid_n, split)](
-        x2,
-        units,
-        table.codes,
-        scales,
-        mins,
-        dest,
-        m,
-        n,
-        cols,
-        nchunk,
-        per_split,
-        x2.stride(0),
-        units.stride(0),
-        table.codes.stride(0),
-        scales.stride(0),
-        dest.stride(-2),
-        dest.stride(0) if split > 1 else 0,
-        BM=bm,
-        BN=bn,
-        NKC=nkc,
-        SWAP=cfg["SWAP"],
-        SPLIT=split > 1,
-        POST_SCALE=post,
-        FAST=fast,
-        BITS=spec.bits,
-        U=per_chunk,
-        UNIT_BITS=unit_bits,
-        GROUP=spec.group,
-        SIGNED=spec.signed,
-        FP8=spec.fp8,
-        HAS_MIN=spec.has_min,
-        EVEN_K=even_k,
-        num_warps=cfg["num_warps"],
-        num_stages=stages,
+        x2, units, table.codes, scales, mins, dest,
+        m, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
+        scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0,
+        BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
+        BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group, SIGNED=spec.signed,
+        FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+        num_warps=cfg["num_warps"], num_stages=stages,
     )
     if split > 1:
         out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
@@ -3089,15 +982,8 @@ def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> di
         if bits == 4 or (bits == 8 and not fp8 and cols >= 4096):
             return dict(KIND="gemv", BM=1, BN=32, T=512 // p, num_warps=4, num_stages=1, XPERM=True)
         # 8-bit (int8, fp8): x permuted; 5/6-bit: 8-16 pieces read x from L1 faster as is
-        return dict(
-            KIND="gemv",
-            BM=1,
-            BN=16,
-            T=max(1, 256 // p),
-            num_warps=4,
-            num_stages=1,
-            XPERM=bits in (4, 8),
-        )
+        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1,
+                    XPERM=bits in (4, 8))
     if m <= 16:
         if fp8:  # no per-weight scale: 0.65-0.67x against 0.76-0.80x for 'tiles'
             return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=3)
@@ -3106,18 +992,10 @@ def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> di
         return dict(KIND="tiles")
     if m <= 64:
         if bits == 8 and not fp8:
-            return dict(
-                KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=3, SWAP=False
-            )
+            return dict(KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=3, SWAP=False)
         if bits in (5, 6):  # 1.95x / 2.42x against 2.96x / 2.80x for cuBLAS
-            return dict(
-                KIND="wdot",
-                BM=64,
-                BN=64 if bits == 5 else 128,
-                T=128 // p,
-                num_warps=4,
-                num_stages=1,
-            )
+            return dict(KIND="wdot", BM=64, BN=64 if bits == 5 else 128, T=128 // p, num_warps=4,
+                        num_stages=1)
         return dict(KIND="tiles")
     if m <= 256 and (bits == 4 or fp8):
         return dict(KIND="tiles")
@@ -3128,15 +1006,8 @@ def _pow2_ceil(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def _linear_words(
-    spec,
-    table: PackedRows,
-    words: torch.Tensor,
-    x2: torch.Tensor,
-    cols: int,
-    out: torch.Tensor,
-    cfg: dict,
-) -> torch.Tensor | None:
+def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor, cols: int,
+                  out: torch.Tensor, cfg: dict) -> torch.Tensor | None:
     """The word kernels, one launch for all rows of x: 'gemv' (M = 1; more rows go to
     'rows'), 'rows' (CUDA cores, BM rows of x per program), 'wdot' (one dot per tile on
     tensor cores), 'mma' (one dot per piece). None: 'wdot' does not fit the row (a row that
@@ -3172,94 +1043,38 @@ def _linear_words(
     mins = table.mins if table.mins is not None else scales
     even = nblk % per_split == 0 and per_split % t == 0
     g = spec.group
-    sb = (
-        cfg.get("SB", True)
-        and even
-        and g != 0
-        and g % p == 0
-        and (t * p) % g == 0
-        and ((t * p) // g) & ((t * p) // g - 1) == 0
-    )
+    sb = (cfg.get("SB", True) and even and g != 0 and g % p == 0 and (t * p) % g == 0
+          and ((t * p) // g) & ((t * p) // g - 1) == 0)
     xperm = cfg.get("XPERM", False) and kind != "wdot"
     if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
         xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
         x2 = xp if kind == "mma" else xp.float()
-    common = dict(
-        BITS=spec.bits,
-        U=u,
-        P=p,
-        GROUP=spec.group,
-        SIGNED=spec.signed,
-        FP8=spec.fp8,
-        HAS_MIN=spec.has_min,
-        SPLIT=split > 1,
-        EVEN=even,
-        SB=sb,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    common = dict(BITS=spec.bits, U=u, P=p, GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8,
+                  HAS_MIN=spec.has_min, SPLIT=split > 1, EVEN=even, SB=sb,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kind in ("rows", "wdot"):
-        dest = (
-            out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-        )
-        args = (
-            x2,
-            words,
-            scales,
-            mins,
-            dest,
-            m,
-            n,
-            nblk,
-            per_split,
-            x2.stride(0),
-            words.stride(0),
-            scales.stride(0),
-            dest.stride(-2),
-            dest.stride(0) if split > 1 else 0,
-        )
+        dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+        args = (x2, words, scales, mins, dest, m, n, nblk, per_split, x2.stride(0), words.stride(0),
+                scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0)
         if kind == "rows":
             _rows_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, XPERM=xperm, **common)
         else:
             swap = cfg.get("SWAP", True)
             gpost = bool(cfg.get("GPOST") and swap and g >= 16 and g % p == 0 and (t * p) % g == 0)
-            _wdot_kernel[(grid_n, split, grid_m)](
-                *args, BM=bm, BN=bn, T=t, SWAP=swap, GPOST=gpost, **common
-            )
+            _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap, GPOST=gpost, **common)
         if split > 1:
             out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
         return out
     mma = kind == "mma"
     for start in range(0, m, bm):  # 'mma' beyond BM rows: one launch per tile of rows
-        xs, os_ = x2[start : start + bm], out[start : start + bm]
+        xs, os_ = x2[start:start + bm], out[start:start + bm]
         rows = xs.shape[0]
-        dest = (
-            os_
-            if split == 1
-            else torch.empty((split, rows, n), dtype=torch.float32, device=x2.device)
-        )
+        dest = os_ if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x2.device)
         _words_kernel[(grid_n, split)](
-            xs,
-            words,
-            scales,
-            mins,
-            dest,
-            rows,
-            n,
-            nblk,
-            per_split,
-            xs.stride(0),
-            words.stride(0),
-            scales.stride(0),
-            dest.stride(-2),
-            dest.stride(0) if split > 1 else 0,
-            MMA=mma,
-            BM=bm,
-            BN=bn,
-            T=t,
-            MAGIC=cfg.get("MAGIC", True),
-            XPERM=xperm,
-            **common,
+            xs, words, scales, mins, dest,
+            rows, n, nblk, per_split, xs.stride(0), words.stride(0), scales.stride(0),
+            dest.stride(-2), dest.stride(0) if split > 1 else 0,
+            MMA=mma, BM=bm, BN=bn, T=t, MAGIC=cfg.get("MAGIC", True), XPERM=xperm, **common,
         )
         if split > 1:
             os_.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
@@ -3271,9 +1086,7 @@ WORD_KINDS = ("gemv", "rows", "wdot", "mma")
 _SIDE_STREAMS: dict = {}
 
 
-def dequant_rows(
-    fmt: TableFormat, spec, table: PackedRows, start: int, out: torch.Tensor, cols: int
-) -> None:
+def dequant_rows(fmt: TableFormat, spec, table: PackedRows, start: int, out: torch.Tensor, cols: int) -> None:
     """Rows start .. start + len(out) of the table, dequantized into `out` [len, cols]: the
     lookup kernel on consecutive ids (equal to fmt.dequantize)."""
     from .triton_lookup import lookup, lookup_config
@@ -3284,15 +1097,8 @@ def dequant_rows(
     lookup(fmt, table, ids, cols, out.dtype, config=config, out=out)
 
 
-def _linear_cublas(
-    fmt: TableFormat,
-    spec,
-    table: PackedRows,
-    x2: torch.Tensor,
-    cols: int,
-    out: torch.Tensor,
-    cfg: dict,
-) -> torch.Tensor:
+def _linear_cublas(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
+                   out: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Compute-bound sizes: dequantize CHUNK_BYTES of rows at a time into one scratch buffer
     (reused, so it stays in L2) and multiply it with cuBLAS straight into the output's
     columns. Deterministic: no atomics, the same chunks every call. OVERLAP: two buffers,
@@ -3338,9 +1144,8 @@ def _linear_cublas(
     return out
 
 
-def linear(
-    fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int, config: dict | None = None
-) -> torch.Tensor | None:
+def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
+           config: dict | None = None) -> torch.Tensor | None:
     """x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype; None if the format is not
     one the kernels handle. Deterministic: the same inputs give the same bits every call
     (no atomics; split sums are reduced in a fixed order)."""
