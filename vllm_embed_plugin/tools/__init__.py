@@ -1,7 +1,8 @@
 """Operator tooling: the `vllm-embed-plugin` command line and what it runs.
 
-Nothing here runs inside vLLM: the plugin's runtime (the package above: settings, layer,
-method, conversion, formats, kernels) never imports this package. Here: `cli` (the command),
+The plugin's runtime (the package above: settings, layer, method, conversion, formats,
+kernels) never imports this package; only `introspect` enters a vLLM worker, and only when a
+tool sends it there (`LLM.apply_model`). Here: `cli` (the command),
 `plan` (memory and KV-cache arithmetic), `calibrate` (measure a column importance), `evaluate`
 (fidelity of formats against llama.cpp's, and the docs/FIDELITY.md report), `demo` and
 `probe` (a real vLLM engine with the plugin off and on), `introspect` (what a worker holds),

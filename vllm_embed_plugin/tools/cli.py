@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..memory import GiB
-from . import run_command
+from . import ToolError, run_command
 from .plan import KV_CACHE_DTYPES
 
 #: The package vLLM's entry point names (the runtime, not these tools).
@@ -25,8 +25,7 @@ def cmd_check(args) -> int:
     try:
         settings = load_settings()
     except EmbedSettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise ToolError(str(exc)) from None
     print(f"settings: {settings.summary()}")
     for line in _installation(settings):
         print(line)
@@ -92,8 +91,7 @@ def cmd_plan(args) -> int:
     try:
         config = load_config(args.model)
     except (OSError, ValueError) as exc:  # a missing path, or a config.json that is not JSON
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise ToolError(str(exc)) from None
     info, rows = plan(config, args.max_model_len, args.tensor_parallel_size, args.kv_cache_dtype)
     layout = info["layout"]
     print(f"model: {args.model}")
@@ -140,8 +138,7 @@ def cmd_calibrate(args) -> int:
 
     corpus = args.corpus or calibrate.default_corpus()
     if not corpus.is_file():
-        print(f"error: --corpus {corpus}: no such file", file=sys.stderr)
-        return 2
+        raise ToolError(f"--corpus {corpus}: no such file")
     path = resolve(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
