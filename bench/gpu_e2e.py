@@ -4,7 +4,7 @@ graphs on, no enforce_eager -- plugin off and on, in the same run.
 
     python bench/gpu_e2e.py --suite main --out OUT          # untied + tied models, throughput
     python bench/gpu_e2e.py --suite spec --out OUT          # draft model and MTP drafter
-    python bench/gpu_e2e.py --suite main --quick            # tiny shapes, a few minutes
+    python bench/gpu_e2e.py --suite main --quick            # tiny shapes, about 8 minutes
     python bench/gpu_e2e.py ... --tensor-parallel-size 2    # every engine on 2 GPUs
 
 Random-weight checkpoints are written with transformers (initializer range 0.02, so logits
