@@ -989,6 +989,8 @@ def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> di
             return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=3)
         if bits == 5:  # 1.68-1.76x against 1.81-2.07x for one dot per piece
             return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=1)
+        if bits == 8:  # group scale after the dot: 0.70x against 0.78-0.83x for 'tiles'
+            return dict(KIND="wdot", BM=16, BN=64, T=128 // p, num_warps=4, num_stages=3, GPOST=True)
         return dict(KIND="tiles")
     if m <= 64:
         if bits == 8 and not fp8:
