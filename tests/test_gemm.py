@@ -68,7 +68,10 @@ INTERPRETER_CHECK = textwrap.dedent(
         for fmt in VARIANTS:
             t = quantize_table(w, fmt)
             wd = fmt.dequantize(t, cols, torch.float16).float()
-            for m, cfg in zip((1, 3, 1, 5, 20, 7, 4, 6, 9, 3, 11, 17, 5, 6, 2), KINDS):
+            # KINDS[0] is the heuristic: at M = 1 here, and again at 4 and 40 (its M <= 16 and
+            # M <= 64 choices) at the end.
+            ms = (1, 3, 1, 5, 20, 7, 4, 6, 9, 3, 11, 17, 5, 6, 2, 4, 40)
+            for m, cfg in zip(ms, KINDS + [None, None]):
                 x = torch.randn(m, cols).half()  # fp16: the interpreter's bf16 dot is not exact
                 ref = x.float() @ wd.T
                 out = triton_linear.linear(fmt, t, x, cols, config=cfg)

@@ -15,7 +15,7 @@ docs/BENCHMARKS.md):
   a tile are put back into column order with a tree of joins, so a tile is one [BN, T * P]
   operand and one dot with x's matching columns. Scaled and rounded to x's dtype before the
   dot (the reference's rounding), or raw levels with the row scale after it (fp8); GPOST
-  (a sweep option, not shipped): one dot per group on raw levels, scaled in float32 after.
+  (int8 at M = 2..16): one dot per group on raw levels, scaled in float32 after.
   Only whole tiles: a row that is no whole number of tiles takes the generic kernels.
 - "rows": the CUDA-core word kernel for BM rows of x in one launch (each weight decoded once
   for all of them; what "gemv" runs for M > 1). Slower than "tiles"/"wdot" at every M it was
@@ -1036,6 +1036,11 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
         # a row that is no whole number of tiles takes the generic kernels instead.
         if nblk % t:
             return None
+        # GPOST asks for whole groups per dot; other layouts (per-row scales, groups wider
+        # than a tile) keep the generic kernels the heuristic chose for them before GPOST.
+        g = spec.group
+        if cfg.get("GPOST") and not (cfg.get("SWAP", True) and g >= 16 and g % p == 0 and (t * p) % g == 0):
+            return None
         split = min(split, nblk // t)
         while (nblk // t) % split:
             split -= 1
@@ -1062,8 +1067,8 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
             _rows_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, XPERM=xperm, **common)
         else:
             swap = cfg.get("SWAP", True)
-            gpost = bool(cfg.get("GPOST") and swap and g >= 16 and g % p == 0 and (t * p) % g == 0)
-            _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap, GPOST=gpost, **common)
+            _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap,
+                                                 GPOST=bool(cfg.get("GPOST")), **common)
         if split > 1:
             out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
         return out
