@@ -4,7 +4,7 @@ The plugin's runtime (the package above: settings, layer, method, conversion, fo
 kernels) never imports this package; only `introspect` enters a vLLM worker, and only when a
 tool sends it there (`LLM.apply_model`). Here: `cli` (the command),
 `plan` (memory and KV-cache arithmetic), `calibrate` (measure a column importance), `evaluate`
-(fidelity of formats against llama.cpp's, and the docs/FIDELITY.md report), `demo` and
+(fidelity of formats against llama.cpp's) and `fidelity_report` (its docs/FIDELITY.md), `demo` and
 `probe` (a real vLLM engine with the plugin off and on), `introspect` (what a worker holds),
 `real_models` (the two pretrained models that install from the package registry).
 """
