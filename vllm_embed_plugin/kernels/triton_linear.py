@@ -1031,6 +1031,9 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
     split = cfg.get("SPLIT_K") or 1
     if "SPLIT_K" not in cfg and grid_n * grid_m < 2 * _num_sms(x2.device):
         split = max(1, min(triton.cdiv(nblk, t), (4 * _num_sms(x2.device)) // (grid_n * grid_m)))
+    g = spec.group
+    whole_groups = g != 0 and g % p == 0 and (t * p) % g == 0  # a tile holds whole groups
+    swap = cfg.get("SWAP", True)
     if kind == "wdot":
         # Whole tiles in every split (the masked tail of 'wdot' was not verified on a GPU):
         # a row that is no whole number of tiles takes the generic kernels instead.
@@ -1038,8 +1041,7 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
             return None
         # GPOST asks for whole groups per dot; other layouts (per-row scales, groups wider
         # than a tile) keep the generic kernels the heuristic chose for them before GPOST.
-        g = spec.group
-        if cfg.get("GPOST") and not (cfg.get("SWAP", True) and g >= 16 and g % p == 0 and (t * p) % g == 0):
+        if cfg.get("GPOST") and not (swap and g >= 16 and whole_groups):
             return None
         split = min(split, nblk // t)
         while (nblk // t) % split:
@@ -1049,9 +1051,7 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     even = nblk % per_split == 0 and per_split % t == 0
-    g = spec.group
-    sb = (cfg.get("SB", True) and even and g != 0 and g % p == 0 and (t * p) % g == 0
-          and ((t * p) // g) & ((t * p) // g - 1) == 0)
+    sb = cfg.get("SB", True) and even and whole_groups and ((t * p) // g) & ((t * p) // g - 1) == 0
     xperm = cfg.get("XPERM", False) and kind != "wdot"
     if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
         xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
@@ -1066,7 +1066,6 @@ def _linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor
         if kind == "rows":
             _rows_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, XPERM=xperm, **common)
         else:
-            swap = cfg.get("SWAP", True)
             _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap,
                                                  GPOST=bool(cfg.get("GPOST")), **common)
         if split > 1:
