@@ -83,6 +83,26 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
+    """A config passed in is used as given: merged into the heuristic's choice, a sweep's
+    candidate inherited flags (SWAP, GPOST) it did not name and was timed under a wrong
+    label."""
+    from vllm_embed_plugin.kernels import triton_linear
+
+    fmt, cols = FORMATS["int8"], 256
+    table = quantize_table(torch.randn(40, cols) * 0.02, fmt)
+    seen = []
+    monkeypatch.setattr(
+        triton_linear, "_linear_words", lambda *args: seen.append(dict(args[-1])) or args[-2]
+    )
+    x = torch.randn(4, cols).half()
+    assert triton_linear.linear_config(4, 40, cols, 8).get("GPOST")  # the heuristic's flag
+    triton_linear.linear(fmt, table, x, cols)
+    plain = dict(KIND="wdot", BM=16, BN=64, T=32, num_warps=4, num_stages=3)
+    triton_linear.linear(fmt, table, x, cols, config=plain)
+    assert seen == [triton_linear.linear_config(4, 40, cols, 8), plain]
+
+
 @pytest.mark.interpreter
 def test_gemm_kernels_in_interpreter():
     pytest.importorskip("triton")
