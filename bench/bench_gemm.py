@@ -33,7 +33,7 @@ from vllm_embed_plugin.kernels import triton_linear  # noqa: E402
 from vllm_embed_plugin.kernels.triton_lookup import spec_of  # noqa: E402
 
 TABLES = [(262144, 2560), (151936, 4096)]
-MS = [1, 2, 4, 8, 16, 64, 256, 4096]
+MS = [1, 2, 4, 8, 16, 64, 128, 256, 4096]
 SHIPPED = ["int8", "int6", "int5", "int4", "fp8"]
 WIDE = False  # --wide: a larger grid of word-tile candidates
 TARGETS = {"int8": 0.60, "int6": 0.50, "int5": 0.50, "int4": 0.40, "fp8": 0.60}
@@ -115,16 +115,21 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             out += [rows(2, 32, 256)]
         if bits == 5:
             out += [mma(16, 64 if m <= 4 else 128, 128, 4)]
+        if bits in (4, 6, 8):  # one dot per piece of 16 blocks, x permuted
+            out += [mma(16, 64, 16 * p, 4), mma(16, 128, 16 * p, 4)]
     elif m <= 64:
         out += [
             tiles,
             dict(wdot(64, 128, 128, 4, 3), SWAP=False),
+            dict(wdot(64, 128, 128, 4), SWAP=False),
             wdot(64, 64, 128, 4),
             wdot(64, 128, 128, 4),
             wdot(64, 64, 128, 4, 3),
             dict(wdot(64, 128, 128, 4, 3), GPOST=True),
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),
         ]
+        if bits in (5, 6):
+            out += [mma(64, 64, 16 * p, 4)]
     elif m <= 256:
         out += [
             tiles,
@@ -132,6 +137,19 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(wdot(128, 128, 64, 8, 3), SWAP=False),
             dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True),
         ]
+        if bits in (4, 8):  # x on the left; 256 rows: each weight decoded once
+            out += [
+                dict(wdot(128, 256, 64, 8, 3), SWAP=False),
+                dict(wdot(128, 128, 32, 8, 4), SWAP=False),
+                dict(wdot(256, 64, 64, 8, 3), SWAP=False),
+                dict(wdot(256, 64, 64, 8, 4), SWAP=False),
+                dict(wdot(256, 64, 128, 8, 3), SWAP=False),
+                dict(wdot(256, 32, 64, 4, 3), SWAP=False),
+                dict(wdot(256, 64, 64, 4, 3), SWAP=False),
+                dict(wdot(256, 128, 64, 8, 3), SWAP=False),
+            ]
+        else:  # W on the left (Triton 3.6 cannot compile it on the right)
+            out += [wdot(256, 64, 64, 8, 1), wdot(256, 64, 128, 8, 1), wdot(256, 32, 128, 4, 1)]
     else:
         out += [
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),

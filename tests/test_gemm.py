@@ -103,6 +103,31 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
     assert seen == [triton_linear.linear_config(4, 40, cols, 8), plain]
 
 
+@pytest.mark.parametrize(
+    "m, bits, fp8, kind, bm",
+    [
+        (64, 8, False, "wdot", 64),
+        (100, 8, False, "wdot", 128),
+        (100, 8, True, "wdot", 128),
+        (100, 4, False, "tiles", None),
+        (200, 8, False, "wdot", 256),
+        (256, 4, False, "wdot", 256),
+        (256, 8, True, "wdot", 256),
+        (256, 6, False, "cublas", None),
+        (257, 8, False, "cublas", None),
+    ],
+)
+def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm):
+    """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
+    the left); int5/int6 and larger M take the cuBLAS chunks (docs/BENCHMARKS.md)."""
+    from vllm_embed_plugin.kernels.triton_linear import linear_config
+
+    cfg = linear_config(m, 262144, 2560, bits, fp8)
+    assert cfg["KIND"] == kind
+    if bm is not None:
+        assert cfg["BM"] == bm and cfg["SWAP"] is False and cfg["BM"] >= m
+
+
 @pytest.mark.interpreter
 def test_gemm_kernels_in_interpreter():
     pytest.importorskip("triton")
@@ -124,7 +149,7 @@ def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
     g = torch.Generator().manual_seed(1)
     table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
     wd = fmt.dequantize(table, cols, torch.bfloat16).float()
-    for m in (1, 2, 3, 4, 5, 8, 16, 17, 40, 64, 65, 300):
+    for m in (1, 2, 3, 4, 5, 8, 16, 17, 40, 64, 65, 128, 200, 300):
         x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
         out = triton_linear.linear(fmt, table, x, cols)
         assert out.shape == (m, rows) and out.dtype == torch.bfloat16

@@ -10,8 +10,9 @@ docs/BENCHMARKS.md):
   by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
   block's scale (and minimum times the block's sum of x) is applied once per block.
-- "wdot", M = 2..64 for some formats: the same word tiles on tensor cores, decoded once per
-  weight for up to BM rows of x (x's missing rows masked to zeros, no copy). The P pieces of
+- "wdot", M = 2..256 for some formats: the same word tiles on tensor cores, decoded once per
+  weight for up to BM rows of x (x's missing rows masked to zeros, no copy; up to 256 rows,
+  so a batch of 256 decodes each weight once). The P pieces of
   a tile are put back into column order with a tree of joins, so a tile is one [BN, T * P]
   operand and one dot with x's matching columns. Scaled and rounded to x's dtype before the
   dot (the reference's rounding), or raw levels with the row scale after it (fp8); GPOST
@@ -24,7 +25,7 @@ docs/BENCHMARKS.md):
 - "tiles": the generic tile kernels (`_linear_kernel`, `_gemv_kernel`): 8- and 4-bit codes
   split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
   transposed product for small M, classic tiles for larger M.
-- "cublas", large M (compute-bound): dequantize CHUNK_BYTES of rows at a time (the lookup's
+- "cublas", large M (compute-bound; int5 and int6 from M = 65): dequantize CHUNK_BYTES of rows at a time (the lookup's
   arithmetic) into a scratch buffer, multiply it with cuBLAS into the output's columns;
   OVERLAP dequantizes the next chunk on a side stream (two buffers). The scratch is bounded
   (96 MiB, twice that with OVERLAP) and freed after the call.
@@ -993,14 +994,22 @@ def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> di
             return dict(KIND="wdot", BM=16, BN=64, T=128 // p, num_warps=4, num_stages=3, GPOST=True)
         return dict(KIND="tiles")
     if m <= 64:
-        if bits == 8 and not fp8:
-            return dict(KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=3, SWAP=False)
-        if bits in (5, 6):  # 1.95x / 2.42x against 2.96x / 2.80x for cuBLAS
-            return dict(KIND="wdot", BM=64, BN=64 if bits == 5 else 128, T=128 // p, num_warps=4,
-                        num_stages=1)
+        if bits == 8 and not fp8:  # x on the left, one stage: 0.96-1.00x against 1.01-1.23x (3 stages)
+            return dict(KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=1, SWAP=False)
+        if bits in (5, 6):  # 2.0-2.9x against 2.9-3.1x for cuBLAS
+            return dict(KIND="wdot", BM=64, BN=64, T=128 // p, num_warps=4, num_stages=1)
         return dict(KIND="tiles")
-    if m <= 256 and (bits == 4 or fp8):
+    if m <= 128 and bits in (4, 8):  # x on the left, 128 rows
+        if fp8:  # 1.26-1.38x against 1.33-1.49x for 'tiles'
+            return dict(KIND="wdot", BM=128, BN=256, T=64 // p, num_warps=8, num_stages=3, SWAP=False)
+        if bits == 8:  # 1.30-1.47x against 2.71-2.77x for cuBLAS
+            return dict(KIND="wdot", BM=128, BN=128, T=64 // p, num_warps=8, num_stages=3, SWAP=False)
         return dict(KIND="tiles")
+    if m <= 256 and bits in (4, 8):
+        # All rows of x in one 256-row tile, x on the left, so each weight is decoded once:
+        # 1.56-1.71x against 1.78-1.87x ('tiles') and 2.06-2.08x (cuBLAS, int8).
+        return dict(KIND="wdot", BM=256, BN=64, T=64 // p, num_warps=4 if fp8 else 8, num_stages=3,
+                    SWAP=False)
     return dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=m <= 1024)
 
 
