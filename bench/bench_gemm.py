@@ -1,6 +1,6 @@
 """Tied-head GEMM on the GPU: logits [M, rows] = x [M, cols] @ dequant(W)^T, every shipped
-format against BF16 cuBLAS and vLLM's Marlin in the same process (no vLLM needed, except for
-the Marlin anchor, skipped when `vllm._C` does not import).
+format against BF16 cuBLAS and vLLM's Marlin and Machete in the same process (no vLLM needed,
+except for those anchors, skipped when `vllm._C` does not import).
 
     python bench/bench_gemm.py --out gemm.md            # the shipped heuristics
     python bench/bench_gemm.py --sweep --out gemm.md    # also time candidate configs
@@ -232,6 +232,29 @@ def marlin_setup(rows: int, cols: int, bits: int, group: int):
     return run
 
 
+def machete_setup(rows: int, cols: int, bits: int, group: int):
+    """vLLM's Machete (Hopper, CUTLASS) on a random prepacked table, or None. Like Marlin it
+    needs its own copy of the codes (`machete_prepack_B`); group sizes 64 and 128 only."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.scalar_type import scalar_types
+    except Exception as exc:  # no vLLM here
+        print(f"machete: vllm does not import ({exc!r})", flush=True)
+        return None
+    dev = torch.device("cuda")
+    qtype = scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128
+    pack = 32 // bits
+    qw = torch.randint(-(2**31), 2**31 - 1, (cols // pack, rows), dtype=torch.int32, device=dev)
+    mq = ops.machete_prepack_B(qw.t().contiguous().t(), torch.bfloat16, qtype, torch.bfloat16)
+    del qw
+    scales = (torch.rand(cols // group, rows, device=dev) * 1e-3 + 1e-3).to(torch.bfloat16)
+
+    def run(x):
+        return ops.machete_mm(a=x, b_q=mq, b_type=qtype, b_group_scales=scales, b_group_size=group)
+
+    return run
+
+
 def target(name: str, m: int) -> float | None:
     """Issue 12's ratio to BF16 (fp8 has none at M <= 16)."""
     if m <= 16:
@@ -248,7 +271,7 @@ def bench_table(
     rows: int, cols: int, sweep: bool, log, ms=None, names=None, anchor=True
 ) -> tuple[str, dict]:
     ms = ms or MS
-    names = names or SHIPPED
+    names = SHIPPED if names is None else names
     xs = {m: torch.randn(m, cols, device="cuda").to(torch.bfloat16) for m in ms}
     weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
     bf = {m: median_time(lambda m=m: xs[m] @ weight.T, m) for m in ms}
@@ -322,14 +345,16 @@ def bench_table(
         results.setdefault("errors", {})[name] = (err, same_all)
         del packed, part
         torch.cuda.empty_cache()
-    for bits, group, name in (
-        (4, 32, "Marlin uint4b8 g32 (vLLM), anchor"),
-        (8, 64, "Marlin uint8b128 g64 (vLLM), anchor"),
+    for setup, bits, group, name in (
+        (marlin_setup, 4, 32, "Marlin uint4b8 g32 (vLLM), anchor"),
+        (marlin_setup, 8, 64, "Marlin uint8b128 g64 (vLLM), anchor"),
+        (machete_setup, 4, 64, "Machete uint4b8 g64 (vLLM), anchor"),
+        (machete_setup, 8, 64, "Machete uint8b128 g64 (vLLM), anchor"),
     ):
         if not anchor:
             break
         try:
-            run = marlin_setup(rows, cols, bits, group)
+            run = setup(rows, cols, bits, group)
             if run is None:
                 table_rows.append([name] + ["n/a"] * len(ms))
                 continue
@@ -346,9 +371,10 @@ def bench_table(
         f"**{rows} x {cols}** (ratio to BF16 cuBLAS in the same run; bold = misses its target)\n\n"
         + md_table(["format"] + [f"M={m}" for m in ms], table_rows)
     )
-    md += "\n\nKernel per cell (shipped heuristic):\n\n" + md_table(
-        ["format"] + [f"M={m}" for m in ms], cfg_rows
-    )
+    if cfg_rows:
+        md += "\n\nKernel per cell (shipped heuristic):\n\n" + md_table(
+            ["format"] + [f"M={m}" for m in ms], cfg_rows
+        )
     if notes:
         md += "\n\n† faster in the sweep than the shipped choice:\n\n" + "\n".join(
             f"- {n}" for n in notes
@@ -365,7 +391,9 @@ def main():
     ap.add_argument("--tables", default="0,1")
     ap.add_argument("--no-precompile", action="store_true")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="batch sizes")
-    ap.add_argument("--formats", default=",".join(SHIPPED))
+    ap.add_argument(
+        "--formats", default=",".join(SHIPPED), help="'none': only BF16 and the anchors"
+    )
     ap.add_argument("--no-anchor", action="store_true", help="skip vLLM's Marlin")
     ap.add_argument("--wide", action="store_true", help="a larger grid of word-tile candidates")
     args = ap.parse_args()
@@ -378,7 +406,7 @@ def main():
 
     tables = [TABLES[int(i)] for i in args.tables.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
-    names = args.formats.split(",")
+    names = [] if args.formats == "none" else args.formats.split(",")
     if not args.no_precompile:
         jobs, seen = [], set()
         for rows, cols in tables:
