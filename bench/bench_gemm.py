@@ -184,6 +184,20 @@ def median_time(fn, m: int, runs: int = 3) -> float:
     return statistics.median(graph_time_us(fn, replays) for _ in range(runs))
 
 
+def random_gptq(rows: int, cols: int, bits: int, group: int, device: str = "cuda"):
+    """vLLM's scalar type for symmetric `bits`-bit codes (uint4b8, uint8b128), random codes
+    GPTQ-packed along the hidden size [cols * bits / 32, rows] int32, and BF16 group scales
+    [cols / group, rows]: the inputs the anchors repack."""
+    from vllm.scalar_type import scalar_types
+
+    qtype = scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128
+    qw = torch.randint(
+        -(2**31), 2**31 - 1, (cols * bits // 32, rows), dtype=torch.int32, device=device
+    )
+    scales = (torch.rand(cols // group, rows, device=device) * 1e-3 + 1e-3).to(torch.bfloat16)
+    return qtype, qw, scales
+
+
 def marlin_setup(rows: int, cols: int, bits: int, group: int):
     """vLLM's Marlin on a random repacked table (the layout it needs: a second, tiled copy of
     the codes, which the plugin cannot keep beside the lookup's), or None."""
@@ -192,19 +206,14 @@ def marlin_setup(rows: int, cols: int, bits: int, group: int):
         from vllm.model_executor.layers.quantization.utils.marlin_utils import (
             marlin_make_workspace_new,
         )
-        from vllm.scalar_type import scalar_types
     except Exception as exc:  # no vLLM here
         print(f"marlin: vllm does not import ({exc!r})", flush=True)
         return None
-    dev = torch.device("cuda")
-    qtype = scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128
-    pack = 32 // bits
-    qw = torch.randint(-(2**31), 2**31 - 1, (cols // pack, rows), dtype=torch.int32, device=dev)
-    empty = torch.empty(0, dtype=torch.int32, device=dev)
+    qtype, qw, scales = random_gptq(rows, cols, bits, group)
+    empty = torch.empty(0, dtype=torch.int32, device=qw.device)
     mq = ops.gptq_marlin_repack(qw, empty, cols, rows, bits)
     del qw
-    scales = (torch.rand(cols // group, rows, device=dev) * 1e-3 + 1e-3).to(torch.bfloat16)
-    ws = marlin_make_workspace_new(dev)
+    ws = marlin_make_workspace_new(mq.device)
 
     def run(x):
         return ops.marlin_gemm(
@@ -237,17 +246,12 @@ def machete_setup(rows: int, cols: int, bits: int, group: int):
     needs its own copy of the codes (`machete_prepack_B`); group sizes 64 and 128 only."""
     try:
         from vllm import _custom_ops as ops
-        from vllm.scalar_type import scalar_types
     except Exception as exc:  # no vLLM here
         print(f"machete: vllm does not import ({exc!r})", flush=True)
         return None
-    dev = torch.device("cuda")
-    qtype = scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128
-    pack = 32 // bits
-    qw = torch.randint(-(2**31), 2**31 - 1, (cols // pack, rows), dtype=torch.int32, device=dev)
+    qtype, qw, scales = random_gptq(rows, cols, bits, group)
     mq = ops.machete_prepack_B(qw.t().contiguous().t(), torch.bfloat16, qtype, torch.bfloat16)
     del qw
-    scales = (torch.rand(cols // group, rows, device=dev) * 1e-3 + 1e-3).to(torch.bfloat16)
 
     def run(x):
         return ops.machete_mm(a=x, b_q=mq, b_type=qtype, b_group_scales=scales, b_group_size=group)
