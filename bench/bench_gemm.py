@@ -398,7 +398,7 @@ def main():
     ap.add_argument(
         "--formats", default=",".join(SHIPPED), help="'none': only BF16 and the anchors"
     )
-    ap.add_argument("--no-anchor", action="store_true", help="skip vLLM's Marlin")
+    ap.add_argument("--no-anchor", action="store_true", help="skip vLLM's Marlin and Machete")
     ap.add_argument("--wide", action="store_true", help="a larger grid of word-tile candidates")
     args = ap.parse_args()
     global WIDE

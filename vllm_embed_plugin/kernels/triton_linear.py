@@ -11,12 +11,12 @@ docs/BENCHMARKS.md):
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
   block's scale (and minimum times the block's sum of x) is applied once per block.
 - "wdot", M = 2..256 for some formats: the same word tiles on tensor cores, decoded once per
-  weight for up to BM rows of x (x's missing rows masked to zeros, no copy; up to 256 rows,
-  so a batch of 256 decodes each weight once). The P pieces of
-  a tile are put back into column order with a tree of joins, so a tile is one [BN, T * P]
-  operand and one dot with x's matching columns. Scaled and rounded to x's dtype before the
-  dot (the reference's rounding), or raw levels with the row scale after it (fp8); GPOST
-  (int8 at M = 2..16): one dot per group on raw levels, scaled in float32 after.
+  weight for up to BM rows of x (x's missing rows masked to zeros, no copy; BM up to 256, so
+  a batch of 256 decodes each weight once). The P pieces of a tile are put back into column
+  order with a tree of joins, so a tile is one [BN, T * P] operand and one dot with x's
+  matching columns. Scaled and rounded to x's dtype before the dot (the reference's
+  rounding), or raw levels with the row scale after it (fp8); GPOST (int8 at M = 2..16): one
+  dot per group on raw levels, scaled in float32 after.
   Only whole tiles: a row that is no whole number of tiles takes the generic kernels.
 - "rows": the CUDA-core word kernel for BM rows of x in one launch (each weight decoded once
   for all of them; what "gemv" runs for M > 1). Slower than "tiles"/"wdot" at every M it was
@@ -25,10 +25,10 @@ docs/BENCHMARKS.md):
 - "tiles": the generic tile kernels (`_linear_kernel`, `_gemv_kernel`): 8- and 4-bit codes
   split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
   transposed product for small M, classic tiles for larger M.
-- "cublas", large M (compute-bound; int5 and int6 from M = 65): dequantize CHUNK_BYTES of rows at a time (the lookup's
-  arithmetic) into a scratch buffer, multiply it with cuBLAS into the output's columns;
-  OVERLAP dequantizes the next chunk on a side stream (two buffers). The scratch is bounded
-  (96 MiB, twice that with OVERLAP) and freed after the call.
+- "cublas", large M (compute-bound; int5 and int6 from M = 65): dequantize CHUNK_BYTES of rows
+  at a time (the lookup's arithmetic) into a scratch buffer, multiply it with cuBLAS into the
+  output's columns; OVERLAP dequantizes the next chunk on a side stream (two buffers). The
+  scratch is bounded (96 MiB, twice that with OVERLAP) and freed after the call.
 
 Deterministic: no atomics anywhere. Where the vocabulary gives too few programs to fill the
 GPU (small TP shards) the hidden size is split into float32 partials [split, M, N] that one
