@@ -344,6 +344,16 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
     return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
 
 
+def plugin_env(config: str) -> dict[str, str]:
+    """The plugin's settings for one configuration: 'off', a format, or 'format/head kernel'
+    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete)."""
+    fmt, _, head = config.partition("/")
+    env = {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt}
+    if head:
+        env["VLLM_EMBED_HEAD_KERNEL"] = head
+    return env
+
+
 def measure_model(
     args, name: str, path: Path, formats: list[str], spec: dict, out: dict, log_dir: Path, save
 ) -> None:
@@ -370,9 +380,8 @@ def measure_model(
     )
     try:
         for fmt in formats:
-            env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
             print(f"[{name}] starting {fmt}", flush=True)
-            engine = Engine(f"{name}-{fmt}", base, env, log_dir)
+            engine = Engine(f"{name}-{fmt.replace('/', '+')}", base, plugin_env(fmt), log_dir)
             engines[fmt] = engine
             log = engine.log_text()
             results["formats"][fmt] = {
@@ -676,7 +685,11 @@ def main() -> int:
     parser.add_argument(
         "--formats", default="off,int8,int4,host", help="formats for the untied model"
     )
-    parser.add_argument("--tied-formats", default="off,int8,int4")
+    parser.add_argument(
+        "--tied-formats",
+        default="off,int8/plugin,int8/machete,int4",
+        help="'format/kernel' also sets VLLM_EMBED_HEAD_KERNEL",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")
     parser.add_argument(

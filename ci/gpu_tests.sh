@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 shards="${1:-8}"
 shift || true
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(tests/test_compile.py tests/test_kernels.py tests/test_gemm.py)
+[ ${#files[@]} -gt 0 ] || files=(tests/test_compile.py tests/test_kernels.py tests/test_gemm.py tests/test_machete.py)
 out="${OUT:-gpu_tests_out}"
 mkdir -p "$out"
 python3 -m pytest --collect-only -q "${files[@]}" | grep '::' >"$out/ids.txt"

@@ -13,10 +13,20 @@ import pytest
 import torch
 from torch.nn import Parameter
 
+from tests.test_machete import machete_runs
 from vllm_embed_plugin.formats import HOST_FORMATS, make_format
+from vllm_embed_plugin.formats.machete import MacheteLayout
 from vllm_embed_plugin.method import CompactEmbeddingMethod
 
-FORMATS = ["int8", "int6", "int5", "int4", "fp8"]
+#: Tables in the layout of vLLM's Machete GEMM (a tied head on Hopper): the torch reference
+#: on the CPU, vLLM's kernels on a Hopper GPU.
+MACHETE = {
+    "machete-int8": MacheteLayout(make_format("int8")),
+    "machete-int4": MacheteLayout(make_format("int4", 64)),
+}
+FORMATS = ["int8", "int6", "int5", "int4", "fp8"] + (
+    list(MACHETE) if machete_runs() or not torch.cuda.is_available() else []
+)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (tokens looked up, rows of logits) per call, on both sides of the kernels' size thresholds
 # (lookup: 2048 tokens; tied GEMM: 1 row, <= 16, <= 64, more). vLLM first traces at its
@@ -41,7 +51,7 @@ def converted(name: str, device: str, rows: int = 4096, cols: int = 512) -> torc
     g = torch.Generator().manual_seed(0)
     table = (torch.randn(rows, cols, generator=g) * 0.02).bfloat16().to(device)
     layer.weight = Parameter(table, requires_grad=False)
-    fmt = HOST_FORMATS[name] if name in HOST_FORMATS else make_format(name)
+    fmt = HOST_FORMATS.get(name) or MACHETE.get(name) or make_format(name)
     layer.quant_method = CompactEmbeddingMethod(fmt, f"test {name}")
     layer.quant_method.process_weights_after_loading(layer)
     return layer

@@ -99,6 +99,11 @@ def test_yaml_config(tmp_path, monkeypatch):
         ({}, 'format = "int4x"\n', ["format='int4x'", "'int8'"]),
         ({}, "format = int8\n", ["malformed TOML"]),
         (
+            {"VLLM_EMBED_HEAD_KERNEL": "marlin"},
+            None,
+            ["VLLM_EMBED_HEAD_KERNEL='marlin'", "'auto'", "'plugin'", "'machete'"],
+        ),
+        (
             {"VLLM_EMBED_IMPORTANCE": "/nonexistent/m.safetensors"},
             None,
             ["VLLM_EMBED_IMPORTANCE='/nonexistent/m.safetensors'", "not point to a file"],

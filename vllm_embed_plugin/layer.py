@@ -8,6 +8,7 @@ the class name up in the out-of-tree registry. `ParallelLMHead` is registered to
 
 from __future__ import annotations
 
+import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -17,7 +18,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.platforms import current_platform
 
 from . import importance
-from .formats import IntFormat, make_format
+from .formats import IntFormat, TableFormat, machete, make_format
 from .log import log_once
 from .method import CompactEmbeddingMethod
 from .settings import EmbedSettingsError, current_settings
@@ -91,8 +92,11 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             return None
     label = where + (" (tied LM head)" if tied else "")
     column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
+    fmt = make_format(name, decision.group_size, weighted=column_importance is not None)
+    if tied and not decision.on_host:
+        fmt = _head_layout(fmt, layer, where)
     method = CompactEmbeddingMethod(
-        make_format(name, decision.group_size, weighted=column_importance is not None),
+        fmt,
         label=label,
         on_error=current_settings().on_error,
         on_host=name == decision.format and decision.on_host,
@@ -144,6 +148,44 @@ def _importance(decision, name: str, cols: int, where: str, tied: bool):
         )
         return None
     return loaded
+
+
+def _head_layout(fmt: TableFormat, layer: VocabParallelEmbedding, where: str) -> TableFormat:
+    """`fmt` in Machete's layout when the tied head should run on vLLM's Machete GEMM
+    (`head_kernel`), else `fmt` itself."""
+    setting = current_settings().head_kernel
+    if setting == "plugin" or (setting == "auto" and not current_platform.is_cuda()):
+        return fmt
+    reason = machete.unsupported(fmt, layer.embedding_dim) or _machete_unavailable(
+        layer.params_dtype
+    )
+    if reason is None:
+        return machete.MacheteLayout(fmt, layer.params_dtype)
+    if setting == "machete":
+        raise EmbedSettingsError(
+            f"VLLM_EMBED_HEAD_KERNEL='machete': {where}: {reason}; Machete serves symmetric "
+            f"int4 or int8 with groups of {' or '.join(map(str, machete.GROUP_SIZES))} on "
+            "Hopper GPUs (set 'auto' to use it only where it can)"
+        )
+    log_once(f"{where}: tied head on the plugin's kernels, not vLLM's Machete ({reason})")
+    return fmt
+
+
+def _machete_unavailable(dtype: torch.dtype) -> str | None:
+    """Why this process cannot run vLLM's Machete GEMM, or None."""
+    if not current_platform.is_cuda():
+        return "Machete runs on CUDA only"
+    if not current_platform.is_device_capability(90):
+        return "Machete needs a Hopper GPU (compute capability 9.0)"
+    if dtype not in machete.SCALE_DTYPES:
+        return f"Machete takes bfloat16 or float16 activations, not {dtype}"
+    try:
+        from vllm import _custom_ops  # noqa: F401  (registers torch.ops._C)
+    except ImportError as exc:
+        return f"vLLM's custom ops do not import ({exc})"
+    if not hasattr(torch.ops._C, "machete_mm"):
+        return "this vLLM build has no Machete kernels"
+    return None
 
 
 def _tied_fallback(decision, where: str) -> str:

@@ -20,6 +20,7 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from . import kernels, memory
 from .convert import quantize_table
 from .formats import ColumnImportance, ConversionError, IdentityFormat, PackedRows, TableFormat
+from .formats.machete import MacheteLayout
 from .log import every, logger
 from .memory import GiB
 
@@ -117,6 +118,12 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         rows, cols = weight.shape
         # The scale search of an importance file takes minutes on a CPU: say it is alive.
         progress = every(PROGRESS_SECONDS, f"{self.label}: converting to {self.fmt.name}")
+        if isinstance(self.fmt, MacheteLayout):
+            # Quantized row-major first (the formats' own path), then vLLM prepacks it.
+            rows_major = quantize_table(
+                weight, self.fmt.base, importance=self.importance, progress=progress
+            )
+            return kernels.machete_repack(self.fmt, rows_major, cols), None
         if not self.on_host:
             return quantize_table(
                 weight, self.fmt, importance=self.importance, progress=progress

@@ -91,6 +91,13 @@ class EmbedSettings(BaseSettings):
         description="column-importance file from `vllm-embed-plugin calibrate` for this model; "
         "the scale search then weighs each column by it (unset = the formats' plain rules)",
     )
+    head_kernel: Literal["auto", "plugin", "machete"] = Field(
+        "plugin",
+        description="kernel of an LM head tied to a converted table: 'machete' stores the table "
+        "in the layout of vLLM's Machete GEMM (Hopper; symmetric int4/int8, groups of 64 or "
+        "128) and computes the logits there, 'plugin' keeps the plugin's own kernels, 'auto' "
+        "takes Machete wherever it can serve the table",
+    )
     on_error: Literal["fail", "keep"] = Field(
         "fail",
         description="a table that cannot be converted: 'fail' stops startup, 'keep' serves it in BF16",
@@ -153,6 +160,8 @@ class EmbedSettings(BaseSettings):
         parts.append(f"models={','.join(self.models) or '*'}")
         if self.importance:
             parts.append(f"importance={self.importance}")
+        if self.head_kernel != "plugin":
+            parts.append(f"head_kernel={self.head_kernel}")
         parts.append(f"on_error={self.on_error}")
         if self.untested_vllm != "warn":
             parts.append(f"untested_vllm={self.untested_vllm}")

@@ -17,7 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..formats import IdentityFormat, IntFormat, PackedRows, TableFormat
+from ..formats import ConversionError, IdentityFormat, IntFormat, PackedRows, TableFormat
+from ..formats.machete import MacheteLayout
 from .ops import format_of, register_format
 
 #: Bound on the dense float chunk the torch `linear` path materialises at a time.
@@ -25,7 +26,7 @@ LINEAR_CHUNK_BYTES = 64 << 20
 #: Rows at or below which the CPU uses torch's int8 weight-only GEMV (ANCHORS 2b).
 INT8PACK_MAX_ROWS = 8
 #: The Triton modules, imported together by `prepare` on the first CUDA device.
-TRITON_MODULES = ("triton_lookup", "triton_linear", "triton_quantize", "triton_joint")
+TRITON_MODULES = ("triton_lookup", "triton_linear", "triton_quantize", "triton_joint", "machete")
 
 _triton: dict[str, object] = {}
 
@@ -39,7 +40,8 @@ def prepare(device: torch.device | str) -> None:
 
 
 def _triton_module(name: str):
-    """kernels.<name> if Triton imports and is not switched off, else None (cached)."""
+    """kernels.<name> if Triton (and, for `machete`, vLLM's ops) imports and is not switched
+    off, else None (cached)."""
     if name not in _triton:
         module = None
         if os.environ.get("VLLM_EMBED_NO_TRITON", "") not in ("1", "true", "yes"):
@@ -79,7 +81,7 @@ def lookup_eager(
     if isinstance(fmt, IdentityFormat):  # a plain table (e.g. in host memory): one gather
         return F.embedding(ids, table.codes).to(dtype)
     if ids.is_cuda and table.codes.is_cuda:
-        kernels = _triton_module("triton_lookup")
+        kernels = _triton_module("machete" if isinstance(fmt, MacheteLayout) else "triton_lookup")
         if kernels is not None:
             out = kernels.lookup(fmt, table, ids, cols, dtype)
             if out is not None:
@@ -91,6 +93,8 @@ def lookup_torch(
     fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The reference path: gather the packed rows, then `fmt.dequantize`."""
+    if isinstance(fmt, MacheteLayout):  # its rows are not row-major: it gathers itself
+        return fmt.lookup(table, ids, cols, dtype)
     flat = ids.reshape(-1)
     out = fmt.dequantize(table.rows(flat), cols, dtype)
     return out.view(*ids.shape, cols)
@@ -101,7 +105,7 @@ def linear_eager(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int
     if isinstance(fmt, IdentityFormat) and x.dtype == table.codes.dtype:
         return F.linear(x, table.codes)
     if x.is_cuda and table.codes.is_cuda:
-        kernels = _triton_module("triton_linear")
+        kernels = _triton_module("machete" if isinstance(fmt, MacheteLayout) else "triton_linear")
         if kernels is not None:
             out = kernels.linear(fmt, table, x, cols)
             if out is not None:
@@ -126,6 +130,8 @@ def linear_torch(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     m, rows = x2.shape[0], table.num_rows
+    if isinstance(fmt, MacheteLayout):  # a reference for tests: the GPU runs vLLM's Machete
+        return (x2 @ fmt.dequantize(table, cols, x.dtype).T).view(*lead, rows)
     if (
         x2.device.type == "cpu"
         and _is_int8_per_row(fmt)
@@ -162,6 +168,18 @@ def quantize_rows_fast(
     return kernels.quantize_rows_fast(fmt, rows, out)
 
 
+def machete_repack(fmt: MacheteLayout, packed: PackedRows, cols: int) -> PackedRows:
+    """A row-major table of `fmt.base` in Machete's layout: on CUDA by vLLM's own
+    `machete_prepack_B` (`kernels.machete`; ConversionError where vLLM has none), elsewhere
+    by the torch reference."""
+    if not packed.codes.is_cuda:
+        return fmt.from_rows(packed, cols)
+    kernels = _triton_module("machete")
+    if kernels is None:
+        raise ConversionError("Machete's layout needs Triton and vLLM's machete ops on CUDA")
+    return kernels.repack(fmt, packed)
+
+
 def round_group_jointly_fast(
     values: torch.Tensor,
     step: torch.Tensor,
@@ -188,6 +206,7 @@ __all__ = [
     "lookup",
     "lookup_eager",
     "lookup_torch",
+    "machete_repack",
     "prepare",
     "quantize_rows_fast",
     "register_format",
