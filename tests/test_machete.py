@@ -183,11 +183,12 @@ def test_gpu_vllm_prepack_is_the_reference_layout(base, scale_dtype):
     from vllm_embed_plugin.kernels import machete
 
     fmt = MacheteLayout(base, scale_dtype)
-    packed = random_table(base, 1000, 640, "cuda")
-    got = machete.repack(fmt, packed)
-    want = fmt.from_rows(packed, 640)
-    for a, b in zip(fmt.machete_operands(got), fmt.machete_operands(want), strict=True):
-        assert torch.equal(a, b)
+    for rows in (1000, 1024):  # padded, or converted in place
+        packed = random_table(base, rows, 640, "cuda")
+        want = fmt.from_rows(packed, 640)
+        got = machete.repack(fmt, packed)  # consumes packed
+        for a, b in zip(fmt.machete_operands(got), fmt.machete_operands(want), strict=True):
+            assert torch.equal(a, b), rows
 
 
 @hopper

@@ -97,11 +97,11 @@ class MacheteLayout(TableFormat):
     def padded_rows(rows: int) -> int:
         return math.ceil(rows / BLOCK_ROWS) * BLOCK_ROWS
 
-    def gptq_words(self, packed: PackedRows) -> torch.Tensor:
-        """The codes of a row-major table as Machete's input: biased, [rows, cols * bits / 32]
-        int32 words (a transposed view of vLLM's [cols * bits / 32, rows]; no copy)."""
-        bias = 0x88 if self.bits == 4 else 0x80  # two's complement -> unsigned with a bias
-        return (packed.codes ^ bias).view(torch.int32)
+    @property
+    def bias_word(self) -> int:
+        """The XOR (as a signed int32) that turns the two's-complement codes of a 32-bit word
+        (four int8 or eight int4) into Machete's biased unsigned ones (uint8b128, uint4b8)."""
+        return (0x88888888 if self.bits == 4 else 0x80808080) - (1 << 32)
 
     def from_rows(self, packed: PackedRows, cols: int) -> PackedRows:
         """The reference repack of a row-major table of `base` (torch, any device): what
@@ -114,9 +114,9 @@ class MacheteLayout(TableFormat):
         flat = torch.zeros(padded * cols, dtype=torch.int32, device=levels.device)
         flat[element_offset(n, k, self.bits, padded).reshape(-1)] = levels.reshape(-1)
         words = pack_bits(flat.view(1, -1), self.bits).view(torch.int32).view(-1, padded)
-        return self.wrap(words, self._scales(packed.scales, padded), rows)
+        return self.wrap(words, self.padded_scales(packed.scales, padded), rows)
 
-    def _scales(self, scales: torch.Tensor, padded: int) -> torch.Tensor:
+    def padded_scales(self, scales: torch.Tensor, padded: int) -> torch.Tensor:
         """[rows, groups] -> [groups, padded rows] in `scale_dtype`, zeros past the rows."""
         out = torch.zeros(scales.shape[1], padded, dtype=self.scale_dtype, device=scales.device)
         out[:, : scales.shape[0]] = scales.t()

@@ -19,20 +19,25 @@ from ..formats.machete import BLOCK_COLS, BLOCK_ELEMENTS, BLOCK_ROWS, MacheteLay
 
 def repack(fmt: MacheteLayout, packed: PackedRows) -> PackedRows:
     """A row-major CUDA table of `fmt.base` in Machete's layout, built by vLLM's own
-    `machete_prepack_B`, once vLLM's layout is checked to be the one the lookup reads."""
+    `machete_prepack_B`, once vLLM's layout is checked to be the one the lookup reads.
+    Consumes `packed`: where no row padding is needed its codes are biased in place, so the
+    conversion holds one packed copy beside vLLM's output, not two."""
     check_layout(fmt.bits, fmt.scale_dtype, packed.codes.device)
     padded = fmt.padded_rows(packed.num_rows)
     return fmt.wrap(
-        _prepack(fmt, packed, padded), fmt._scales(packed.scales, padded), packed.num_rows
+        _prepack(fmt, packed, padded), fmt.padded_scales(packed.scales, padded), packed.num_rows
     )
 
 
 def _prepack(fmt: MacheteLayout, packed: PackedRows, padded: int) -> torch.Tensor:
-    """vLLM's prepacked words [cols * bits / 32, padded] of a row-major table."""
-    words = torch.zeros(
-        padded, packed.codes.shape[1] // 4, dtype=torch.int32, device=packed.codes.device
-    )
-    words[: packed.num_rows] = fmt.gptq_words(packed)
+    """vLLM's prepacked words [cols * bits / 32, padded] of a row-major table (consumed)."""
+    codes = packed.codes.view(torch.int32)  # [rows, cols * bits / 32]: GPTQ's words, per row
+    if packed.num_rows == padded:
+        words = codes
+    else:
+        words = torch.zeros(padded, codes.shape[1], dtype=torch.int32, device=codes.device)
+        words[: packed.num_rows] = codes
+    words.bitwise_xor_(fmt.bias_word)  # padding rows become level 0
     # vLLM takes [cols * bits / 32, rows] words with the rows innermost: ours, transposed.
     return ops.machete_prepack_B(words.t(), fmt.scale_dtype, _scalar_type(fmt), fmt.scale_dtype)
 
