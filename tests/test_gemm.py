@@ -6,14 +6,12 @@ same bits every call."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from tests.interpreter import run_in_interpreter
 from vllm_embed_plugin.convert import quantize_table
 from vllm_embed_plugin.formats import FORMATS, Fp8Format, IntFormat
 
@@ -57,8 +55,7 @@ def rel_err(out, ref):
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
+    import torch
     from test_gemm import KINDS, VARIANTS
     from vllm_embed_plugin.convert import quantize_table
     from vllm_embed_plugin.kernels import triton_linear
@@ -130,13 +127,7 @@ def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm):
 
 @pytest.mark.interpreter
 def test_gemm_kernels_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETER_CHECK.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env
-    )
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+    run_in_interpreter(INTERPRETER_CHECK, timeout=1200)
 
 
 @cuda

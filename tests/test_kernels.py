@@ -9,7 +9,6 @@ rounds once to bf16: relative error (Frobenius) under 1e-2, measured about 2e-3.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpreter import run_in_interpreter
 from vllm_embed_plugin import kernels
 from vllm_embed_plugin.convert import quantize_table
 from vllm_embed_plugin.formats import Fp8Format, IntFormat
@@ -192,16 +192,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 @pytest.mark.interpreter
 def test_triton_kernels_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_CHECK],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
+    run_in_interpreter(INTERPRETER_CHECK, timeout=900)
 
 
 # -- GPU: Triton kernels against the reference -------------------------------------------------

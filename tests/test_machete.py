@@ -6,14 +6,12 @@ against the reference, the lookup kernel bit for bit, and `machete_mm` for every
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from tests.interpreter import run_in_interpreter
 from vllm_embed_plugin import kernels
 from vllm_embed_plugin.formats import FORMATS, IntFormat, PackedRows, make_format
 from vllm_embed_plugin.formats.machete import MacheteLayout, element_offset, unsupported
@@ -145,8 +143,7 @@ def test_head_kernel_setting_picks_the_layout_and_names_what_is_wrong(monkeypatc
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
+    import torch
     from test_machete import BASES, random_table
     from vllm_embed_plugin.formats.machete import MacheteLayout
     from vllm_embed_plugin.kernels import machete
@@ -164,13 +161,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 @pytest.mark.interpreter
 def test_lookup_kernel_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = INTERPRETER_CHECK.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+    run_in_interpreter(INTERPRETER_CHECK, timeout=600)
 
 
 # -- on a Hopper GPU with vLLM (the device) -----------------------------------------------
