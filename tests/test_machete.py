@@ -71,7 +71,7 @@ def test_element_offsets_follow_the_measured_layout(bits):
 def test_a_machete_table_reads_back_as_its_base_format(base):
     rows, cols = 300, 256  # rows padded to 384
     fmt = MacheteLayout(base)
-    packed = random_table(base, rows, cols)
+    packed = random_table(fmt.row_format, rows, cols)
     table = fmt.from_rows(packed, cols)
     assert table.codes.shape == (rows, cols * base.bits // 32)
     assert table.scales.shape == (rows, cols // base.group_size)
@@ -86,13 +86,24 @@ def test_a_machete_table_reads_back_as_its_base_format(base):
     assert torch.equal(kernels.linear(fmt, table, x, cols), want)
 
 
-def test_the_format_quantizes_like_its_base_then_repacks():
+def test_the_format_rounds_against_its_bfloat16_scales_then_repacks():
     base = FORMATS["int8"]
     fmt = MacheteLayout(base)
-    weight = torch.randn(130, 128) * 0.02
+    weight = torch.randn(1024, 256) * 0.02
+    rows_major = fmt.row_format.quantize(weight)
+    assert rows_major.scales.dtype == torch.bfloat16
     direct = fmt.quantize(weight)
-    assert torch.equal(direct.codes, fmt.from_rows(base.quantize(weight), 128).codes)
-    assert fmt.bits_per_weight(128) == base.bits_per_weight(128)
+    assert torch.equal(direct.codes, fmt.from_rows(rows_major, 256).codes)
+    assert fmt.bits_per_weight(256) == base.bits_per_weight(256)
+
+    def mse(table):
+        return ((fmt.dequantize(table, 256, torch.float32) - weight) ** 2).mean().item()
+
+    # Codes rounded against the bfloat16 scales lose next to nothing to float16 scales;
+    # float16 codes under scales merely cast to bfloat16 lose several percent.
+    plain = ((base.dequantize(base.quantize(weight), 256, torch.float32) - weight) ** 2).mean()
+    assert mse(direct) < 1.01 * plain.item()
+    assert mse(fmt.from_rows(base.quantize(weight), 256)) > 1.03 * plain.item()
 
 
 @pytest.mark.parametrize(
@@ -149,7 +160,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     from vllm_embed_plugin.kernels import machete
     for base in BASES:
         fmt = MacheteLayout(base)
-        table = fmt.from_rows(random_table(base, 300, 320), 320)
+        table = fmt.from_rows(random_table(fmt.row_format, 300, 320), 320)
         ids = torch.tensor([[0, 5, 8, 299], [137, 128, 7, 200]])
         # float32 out: the interpreter rounds to bfloat16 by truncation, the GPU to nearest.
         got = machete.lookup(fmt, table, ids, 320, torch.float32)
@@ -175,7 +186,7 @@ def test_gpu_vllm_prepack_is_the_reference_layout(base, scale_dtype):
 
     fmt = MacheteLayout(base, scale_dtype)
     for rows in (1000, 1024):  # padded, or converted in place
-        packed = random_table(base, rows, 640, "cuda")
+        packed = random_table(fmt.row_format, rows, 640, "cuda")
         want = fmt.from_rows(packed, 640)
         got = machete.repack(fmt, packed)  # consumes packed
         for a, b in zip(fmt.machete_operands(got), fmt.machete_operands(want), strict=True):
@@ -190,7 +201,7 @@ def test_gpu_lookup_kernel_is_the_reference_bit_for_bit(base, cols):
 
     fmt = MacheteLayout(base)
     rows = 3000  # padded to 3072
-    table = machete.repack(fmt, random_table(base, rows, cols, "cuda"))
+    table = machete.repack(fmt, random_table(fmt.row_format, rows, cols, "cuda"))
     for n in (0, 1, 7, 64, 300, 5000):
         ids = torch.randint(0, rows, (n,), device="cuda")
         if n:
@@ -208,7 +219,7 @@ def test_gpu_machete_logits_are_right_and_deterministic(base, rows):
     from vllm_embed_plugin.kernels import machete
 
     fmt, cols = MacheteLayout(base), 2560
-    table = machete.repack(fmt, random_table(base, rows, cols, "cuda"))
+    table = machete.repack(fmt, random_table(fmt.row_format, rows, cols, "cuda"))
     weight = fmt.dequantize(table, cols, torch.float32)
     for m in (1, 2, 16, 64, 65, 128, 256, 300, 4096):
         x = torch.randn(m, cols, device="cuda").bfloat16()

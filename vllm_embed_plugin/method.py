@@ -122,7 +122,7 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         if isinstance(self.fmt, MacheteLayout):
             # Quantized row-major first (the formats' own path), then vLLM prepacks it.
             rows_major = quantize_table(
-                weight, self.fmt.base, importance=self.importance, progress=progress
+                weight, self.fmt.row_format, importance=self.importance, progress=progress
             )
             return kernels.machete_repack(self.fmt, rows_major, cols), None
         if not self.on_host:

@@ -4,7 +4,7 @@
 Layout of one row: codes are a little-endian bit stream, eight values in `bits` bytes
 (8-bit: one byte each; 6-bit: four values in three bytes; 4-bit: two per byte, low nibble
 first). Symmetric codes are two's complement, affine codes are unsigned. Scales and minimums
-are float16 for groups and float32 for a whole-row group.
+are float16 for groups (bfloat16 for Machete's layout) and float32 for a whole-row group.
 
 Scale choice follows llama.cpp's quantizers: try a few candidate scales per group, round, then
 solve least squares for the scale (and minimum) that best fits those rounded codes, and keep
@@ -34,6 +34,10 @@ class IntFormat(TableFormat):
     symmetric: bool = True
     #: Candidate scales tried per group on each side of the plain one (0 = no search).
     search: int = 0
+    #: dtype of group scales and minimums (a whole-row group keeps float32). bfloat16 is for
+    #: kernels that take no other (vLLM's Machete); codes are always rounded against the
+    #: scale as stored.
+    group_scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
         if not 2 <= self.bits <= 8:
@@ -54,7 +58,7 @@ class IntFormat(TableFormat):
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return torch.float32 if self.group_size is None else torch.float16
+        return torch.float32 if self.group_size is None else self.group_scale_dtype
 
     def bits_per_weight(self, cols: int) -> float:
         scale_bits = torch.finfo(self.scale_dtype).bits * (1 if self.symmetric else 2)

@@ -16,6 +16,7 @@ the kernels) know the bytes are not row-major. Rows are padded to a multiple of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -76,6 +77,12 @@ class MacheteLayout(TableFormat):
             )
 
     @property
+    def row_format(self) -> IntFormat:
+        """The row-major format this table is quantized in before the repack: `base` with its
+        scales in `scale_dtype`, so the codes are rounded against the scales Machete reads."""
+        return dataclasses.replace(self.base, group_scale_dtype=self.scale_dtype)
+
+    @property
     def name(self) -> str:  # type: ignore[override]
         return self.base.name
 
@@ -104,7 +111,7 @@ class MacheteLayout(TableFormat):
         return (0x88888888 if self.bits == 4 else 0x80808080) - (1 << 32)
 
     def from_rows(self, packed: PackedRows, cols: int) -> PackedRows:
-        """The reference repack of a row-major table of `base` (torch, any device): what
+        """The reference repack of a row-major table of `row_format` (torch, any device): what
         `kernels.machete.repack` builds with vLLM's op, and checks against this."""
         rows = packed.num_rows
         padded = self.padded_rows(rows)
@@ -154,7 +161,8 @@ class MacheteLayout(TableFormat):
     # -- TableFormat ------------------------------------------------------------------------
 
     def quantize(self, rows, importance=None, round_group=None) -> PackedRows:
-        return self.from_rows(self.base.quantize(rows, importance, round_group), rows.shape[1])
+        packed = self.row_format.quantize(rows, importance, round_group)
+        return self.from_rows(packed, rows.shape[1])
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
         ids = torch.arange(packed.num_rows, device=packed.codes.device)

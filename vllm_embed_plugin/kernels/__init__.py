@@ -169,7 +169,7 @@ def quantize_rows_fast(
 
 
 def machete_repack(fmt: MacheteLayout, packed: PackedRows, cols: int) -> PackedRows:
-    """A row-major table of `fmt.base` in Machete's layout: on CUDA by vLLM's own
+    """A row-major table of `fmt.row_format` in Machete's layout: on CUDA by vLLM's own
     `machete_prepack_B` (`kernels.machete`; ConversionError where vLLM has none), elsewhere
     by the torch reference."""
     if not packed.codes.is_cuda:

@@ -18,7 +18,7 @@ from ..formats.machete import BLOCK_COLS, BLOCK_ELEMENTS, BLOCK_ROWS, MacheteLay
 
 
 def repack(fmt: MacheteLayout, packed: PackedRows) -> PackedRows:
-    """A row-major CUDA table of `fmt.base` in Machete's layout, built by vLLM's own
+    """A row-major CUDA table of `fmt.row_format` in Machete's layout, built by vLLM's own
     `machete_prepack_B`, once vLLM's layout is checked to be the one the lookup reads.
     Consumes `packed`: where no row padding is needed its codes are biased in place, so the
     conversion holds one packed copy beside vLLM's output, not two."""
@@ -53,7 +53,7 @@ def check_layout(bits: int, scale_dtype: torch.dtype, device: torch.device) -> N
     fmt = MacheteLayout(IntFormat(f"int{bits}", bits=bits, group_size=64), scale_dtype)
     rows, cols = 2 * BLOCK_ROWS + 8, 2 * BLOCK_COLS  # a padded block row, two column blocks
     generator = torch.Generator(device=device).manual_seed(0)
-    packed = fmt.base.quantize(torch.randn(rows, cols, device=device, generator=generator))
+    packed = fmt.row_format.quantize(torch.randn(rows, cols, device=device, generator=generator))
     expected, _ = fmt.machete_operands(fmt.from_rows(packed, cols))
     if not torch.equal(_prepack(fmt, packed, fmt.padded_rows(rows)), expected):
         raise ConversionError(
