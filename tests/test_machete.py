@@ -78,6 +78,11 @@ def test_a_machete_table_reads_back_as_its_base_format(base):
     words, scales = fmt.machete_operands(table)
     assert words.is_contiguous() and words.shape == (cols * base.bits // 32, 384)
     assert scales.is_contiguous() and scales.dtype == torch.bfloat16
+    pad = element_offset(torch.arange(rows, 384)[:, None], torch.arange(cols), base.bits, 384)
+    per_word = 32 // base.bits
+    pad_words = words.reshape(-1)[pad // per_word].long() & 0xFFFFFFFF
+    pad_codes = (pad_words >> (pad % per_word * base.bits)) & ((1 << base.bits) - 1)
+    assert (pad_codes == 1 << (base.bits - 1)).all()  # padding rows: level 0 (biased)
     ids = torch.tensor([[0, 299, 7], [8, 136, 255]])
     got = kernels.lookup(fmt, table, ids, cols, torch.bfloat16)
     assert torch.equal(got, expected_rows(base, packed, cols, ids.reshape(-1)).view(2, 3, cols))

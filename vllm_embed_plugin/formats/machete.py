@@ -118,7 +118,9 @@ class MacheteLayout(TableFormat):
         levels = unpack_bits(packed.codes, self.bits, cols, signed=False) ^ (1 << (self.bits - 1))
         n = torch.arange(rows, device=levels.device)[:, None]
         k = torch.arange(cols, device=levels.device)[None, :]
-        flat = torch.zeros(padded * cols, dtype=torch.int32, device=levels.device)
+        # Padding rows hold level 0 (the biased zero), as vLLM's prepack of zero-level rows.
+        half = 1 << (self.bits - 1)
+        flat = torch.full((padded * cols,), half, dtype=torch.int32, device=levels.device)
         flat[element_offset(n, k, self.bits, padded).reshape(-1)] = levels.reshape(-1)
         words = pack_bits(flat.view(1, -1), self.bits).view(torch.int32).view(-1, padded)
         return self.wrap(words, self.padded_scales(packed.scales, padded), rows)
