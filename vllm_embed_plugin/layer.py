@@ -93,13 +93,14 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
     label = where + (" (tied LM head)" if tied else "")
     column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
     fmt = make_format(name, decision.group_size, weighted=column_importance is not None)
-    if tied and not decision.on_host:
+    on_host = name == decision.format and decision.on_host
+    if tied and not on_host:  # a tied host format's fallback lives on the GPU too
         fmt = _head_layout(fmt, layer, where)
     method = CompactEmbeddingMethod(
         fmt,
         label=label,
         on_error=current_settings().on_error,
-        on_host=name == decision.format and decision.on_host,
+        on_host=on_host,
         importance=column_importance,
     )
     _key_compile_cache(vllm_config, label, method)

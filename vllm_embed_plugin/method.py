@@ -2,9 +2,9 @@
 
 After conversion the layer holds `weight` (the packed codes, uint8 [rows, code_bytes]; for a
 table in Machete's layout int32 words, `formats.machete`), `weight_scales` and, for affine
-formats, `weight_mins`. `weight` keeps its name so code that
-reads `embed_tokens.weight` (vLLM's draft-embedding sharing) still finds a tensor, and two
-identical tables still compare equal.
+formats, `weight_mins`. `weight` keeps its name so code that reads `embed_tokens.weight`
+(vLLM's draft-embedding sharing) still finds a tensor, and two identical tables still compare
+equal.
 """
 
 from __future__ import annotations
