@@ -144,6 +144,13 @@ class TableFormat(ABC):
     def empty(self, rows: int, cols: int, device: torch.device | str) -> PackedRows:
         """Uninitialised storage for a whole table, filled chunk by chunk."""
 
+    def dequantize_rows(
+        self, table: PackedRows, index: torch.Tensor | slice, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `index` (1-D ids or a slice) of a whole table, dequantized: [n, cols]. A layout
+        whose tensors are not row-major (`formats.machete`) gathers them itself."""
+        return self.dequantize(table.rows(index), cols, dtype)
+
     def describe(self, cols: int) -> str:
         return f"{self.name} ({self.bits_per_weight(cols):.2f} bits/weight)"
 

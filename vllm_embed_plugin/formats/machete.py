@@ -115,11 +115,11 @@ class MacheteLayout(TableFormat):
         `kernels.machete.repack` builds with vLLM's op, and checks against this."""
         rows = packed.num_rows
         padded = self.padded_rows(rows)
-        levels = unpack_bits(packed.codes, self.bits, cols, signed=False) ^ (1 << (self.bits - 1))
+        half = 1 << (self.bits - 1)  # the biased zero
+        levels = unpack_bits(packed.codes, self.bits, cols, signed=False) ^ half
         n = torch.arange(rows, device=levels.device)[:, None]
         k = torch.arange(cols, device=levels.device)[None, :]
-        # Padding rows hold level 0 (the biased zero), as vLLM's prepack of zero-level rows.
-        half = 1 << (self.bits - 1)
+        # Padding rows hold level 0, as vLLM's prepack of zero-level rows.
         flat = torch.full((padded * cols,), half, dtype=torch.int32, device=levels.device)
         flat[element_offset(n, k, self.bits, padded).reshape(-1)] = levels.reshape(-1)
         words = pack_bits(flat.view(1, -1), self.bits).view(torch.int32).view(-1, padded)
@@ -145,20 +145,12 @@ class MacheteLayout(TableFormat):
         scales = table.scales.as_strided((table.scales.shape[1], padded), (padded, 1))
         return words, scales
 
-    def lookup(self, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype):
-        """Rows `ids` dequantized (the torch reference of the lookup kernel)."""
-        words, scales = self.machete_operands(table)
-        padded = words.shape[1]
-        n = ids.reshape(-1, 1).long()
-        k = torch.arange(cols, device=ids.device)[None, :]
-        element = element_offset(n, k, self.bits, padded)
+    def codes_at(self, words: torch.Tensor, element: torch.Tensor) -> torch.Tensor:
+        """The biased codes of elements `element` (int64, from `element_offset`) of Machete's
+        contiguous words."""
         per_word = 32 // self.bits
         word = words.reshape(-1)[element // per_word].long() & 0xFFFFFFFF
-        level = ((word >> ((element % per_word) * self.bits)) & ((1 << self.bits) - 1)) - (
-            1 << (self.bits - 1)
-        )
-        scale = scales[k // self.group_size, n].float()
-        return (level.float() * scale).to(dtype).view(*ids.shape, cols)
+        return (word >> ((element % per_word) * self.bits)) & ((1 << self.bits) - 1)
 
     # -- TableFormat ------------------------------------------------------------------------
 
@@ -167,8 +159,21 @@ class MacheteLayout(TableFormat):
         return self.from_rows(packed, rows.shape[1])
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        ids = torch.arange(packed.num_rows, device=packed.codes.device)
-        return self.lookup(packed, ids, cols, dtype)
+        return self.dequantize_rows(packed, slice(None), cols, dtype)
+
+    def dequantize_rows(
+        self, table: PackedRows, index: torch.Tensor | slice, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `index` dequantized (the torch reference of the lookup kernel)."""
+        if isinstance(index, slice):
+            index = torch.arange(table.num_rows, device=table.codes.device)[index]
+        words, scales = self.machete_operands(table)
+        n = index.reshape(-1, 1).long()
+        k = torch.arange(cols, device=index.device)[None, :]
+        codes = self.codes_at(words, element_offset(n, k, self.bits, words.shape[1]))
+        level = codes - (1 << (self.bits - 1))
+        scale = scales[k // self.group_size, n].float()
+        return (level.float() * scale).to(dtype)
 
     def empty(self, rows: int, cols: int, device) -> PackedRows:
         padded = self.padded_rows(rows)

@@ -92,11 +92,9 @@ def lookup_eager(
 def lookup_torch(
     fmt: TableFormat, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference path: gather the packed rows, then `fmt.dequantize`."""
-    if isinstance(fmt, MacheteLayout):  # its rows are not row-major: it gathers itself
-        return fmt.lookup(table, ids, cols, dtype)
+    """The reference path: gather the packed rows, then dequantize them."""
     flat = ids.reshape(-1)
-    out = fmt.dequantize(table.rows(flat), cols, dtype)
+    out = fmt.dequantize_rows(table, flat, cols, dtype)
     return out.view(*ids.shape, cols)
 
 
@@ -130,8 +128,6 @@ def linear_torch(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols)
     m, rows = x2.shape[0], table.num_rows
-    if isinstance(fmt, MacheteLayout):  # a reference for tests: the GPU runs vLLM's Machete
-        return (x2 @ fmt.dequantize(table, cols, x.dtype).T).view(*lead, rows)
     if (
         x2.device.type == "cpu"
         and _is_int8_per_row(fmt)
@@ -148,7 +144,7 @@ def linear_torch(
     # Dequantize creates a few float32 temporaries per element; bound them all.
     step = max(1, chunk_bytes // (max(cols, 1) * 16))
     for start in range(0, rows, step):
-        weight = fmt.dequantize(table.rows(slice(start, start + step)), cols, x.dtype)
+        weight = fmt.dequantize_rows(table, slice(start, start + step), cols, x.dtype)
         out[:, start : start + step] = x2 @ weight.T
         del weight
     return out.view(*lead, rows)

@@ -86,7 +86,7 @@ def lookup(
     fmt: MacheteLayout, table: PackedRows, ids: torch.Tensor, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows `ids` dequantized to `dtype`, read from Machete's layout (same values as
-    `fmt.lookup`, the torch reference)."""
+    `fmt.dequantize_rows`, the torch reference)."""
     words, scales = fmt.machete_operands(table)
     flat = ids.reshape(-1)
     out = torch.empty((flat.numel(), cols), dtype=dtype, device=ids.device)
