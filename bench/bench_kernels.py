@@ -82,6 +82,12 @@ def graph_time_us(fn, replays: int = 200, per_graph: int = 1) -> float:
     return start.elapsed_time(end) * 1000 / (replays * per_graph)
 
 
+def lookup_time(fn, n: int, replays: int = 200) -> float:
+    """Per-lookup time of fn() at n tokens: up to 256 tokens, graphs of 20 lookups and 50
+    replays (1000 lookups, the time inside a captured forward); larger n one per graph."""
+    return graph_time_us(fn, 50, 20) if n <= 256 else graph_time_us(fn, replays)
+
+
 def event_time_us(fn, reps: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
@@ -193,10 +199,7 @@ def bench_lookups(log, copy_bw, replays=200):
         weight = (torch.randn(rows, cols, device="cuda") * 0.02).to(torch.bfloat16)
         ids_all = {n: torch.randint(0, rows, (n,), device="cuda") for n in NS}
 
-        def timed(fn, n):  # small batches: 20 lookups per graph, 50 replays (1000 lookups)
-            return graph_time_us(fn, 50, 20) if n <= 256 else graph_time_us(fn, replays)
-
-        bf16 = {n: timed(lambda n=n: F.embedding(ids_all[n], weight), n) for n in NS}
+        bf16 = {n: lookup_time(lambda n=n: F.embedding(ids_all[n], weight), n, replays) for n in NS}
         result_rows = [["BF16 F.embedding"] + [f"{bf16[n]:.1f} us" for n in NS] + ["-"]]
         roof_rows = []
         for label, fmt in FORMATS:
@@ -208,8 +211,10 @@ def bench_lookups(log, copy_bw, replays=200):
                 fmt.dequantize(packed.rows(ids), cols, torch.bfloat16),
             )
             times = {
-                n: timed(
-                    lambda n=n: kernels.lookup(fmt, packed, ids_all[n], cols, torch.bfloat16), n
+                n: lookup_time(
+                    lambda n=n: kernels.lookup(fmt, packed, ids_all[n], cols, torch.bfloat16),
+                    n,
+                    replays,
                 )
                 for n in NS
             }

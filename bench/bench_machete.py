@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 
 import torch
@@ -24,7 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kernels import graph_time_us, md_table, random_packed  # noqa: E402
+from bench_gemm import median_time  # noqa: E402
+from bench_kernels import lookup_time, md_table, random_packed  # noqa: E402
 
 from vllm_embed_plugin import kernels  # noqa: E402
 from vllm_embed_plugin.formats import IntFormat  # noqa: E402
@@ -42,20 +42,11 @@ ROWS = [
 ]
 
 
-def gemm_time(fn, m: int) -> float:
-    replays = 100 if m <= 64 else (30 if m <= 256 else 5)
-    return statistics.median(graph_time_us(fn, replays) for _ in range(3))
-
-
-def lookup_time(fn, n: int) -> float:  # as bench_kernels: 20 lookups per graph up to 256
-    return graph_time_us(fn, 50, 20) if n <= 256 else graph_time_us(fn, 200)
-
-
 def bench(rows: int, cols: int, log) -> str:
     xs = {m: torch.randn(m, cols, device="cuda").bfloat16() for m in MS}
     ids = {n: torch.randint(0, rows, (n,), device="cuda") for n in NS}
     weight = (torch.randn(rows, cols, device="cuda") * 0.02).bfloat16()
-    bf_gemm = {m: gemm_time(lambda m=m: xs[m] @ weight.T, m) for m in MS}
+    bf_gemm = {m: median_time(lambda m=m: xs[m] @ weight.T, m) for m in MS}
     bf_lookup = {n: lookup_time(lambda n=n: F.embedding(ids[n], weight), n) for n in NS}
     del weight
     gemm_rows = [["BF16 cuBLAS"] + [f"{bf_gemm[m]:.0f} us" for m in MS]]
@@ -70,7 +61,7 @@ def bench(rows: int, cols: int, log) -> str:
         for where, fmt, table in layouts:
             name = f"{label}, {where}"
             gemm = {
-                m: gemm_time(lambda m=m: kernels.linear(fmt, table, xs[m], cols), m) for m in MS
+                m: median_time(lambda m=m: kernels.linear(fmt, table, xs[m], cols), m) for m in MS
             }
             same = all(
                 torch.equal(
