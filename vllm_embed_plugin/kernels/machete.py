@@ -14,7 +14,7 @@ from vllm import _custom_ops as ops
 from vllm.scalar_type import scalar_types
 
 from ..formats import ConversionError, IntFormat, PackedRows
-from ..formats.machete import BLOCK_COLS, BLOCK_ELEMENTS, BLOCK_ROWS, MacheteLayout
+from ..formats.machete import BLOCK_COLS, BLOCK_ROWS, MacheteLayout
 
 
 def repack(fmt: MacheteLayout, packed: PackedRows) -> PackedRows:
@@ -39,11 +39,13 @@ def _prepack(fmt: MacheteLayout, packed: PackedRows, padded: int) -> torch.Tenso
         words[: packed.num_rows] = codes
     words.bitwise_xor_(fmt.bias_word)  # padding rows become level 0
     # vLLM takes [cols * bits / 32, rows] words with the rows innermost: ours, transposed.
-    return ops.machete_prepack_B(words.t(), fmt.scale_dtype, _scalar_type(fmt), fmt.scale_dtype)
+    return ops.machete_prepack_B(
+        words.t(), fmt.scale_dtype, _scalar_type(fmt.bits), fmt.scale_dtype
+    )
 
 
-def _scalar_type(fmt: MacheteLayout):
-    return scalar_types.uint4b8 if fmt.bits == 4 else scalar_types.uint8b128
+def _scalar_type(bits: int):
+    return scalar_types.uint4b8 if bits == 4 else scalar_types.uint8b128
 
 
 @functools.cache
@@ -73,7 +75,7 @@ def linear(fmt: MacheteLayout, table: PackedRows, x: torch.Tensor, cols: int) ->
     out = ops.machete_mm(
         a=x2.to(fmt.scale_dtype).contiguous(),
         b_q=words,
-        b_type=_scalar_type(fmt),
+        b_type=_scalar_type(fmt.bits),
         b_group_scales=scales,
         b_group_size=fmt.group_size,
     )
@@ -88,15 +90,17 @@ def lookup(
     """Rows `ids` dequantized to `dtype`, read from Machete's layout (same values as
     `fmt.dequantize_rows`, the torch reference)."""
     words, scales = fmt.machete_operands(table)
+    if words.numel() >= 2**31:  # the kernel's offsets are int32
+        raise ValueError(f"a Machete table of {words.numel()} words is too large to look up")
     flat = ids.reshape(-1)
     out = torch.empty((flat.numel(), cols), dtype=dtype, device=ids.device)
     if flat.numel() == 0:
         return out.view(*ids.shape, cols)
-    block_cols = min(triton.next_power_of_2(cols), 256)
+    block_cols = max(fmt.group_size, min(triton.next_power_of_2(cols), LOOKUP_COLS))
     grid = (triton.cdiv(flat.numel(), LOOKUP_TOKENS), triton.cdiv(cols, block_cols))
     _lookup_kernel[grid](
         flat,
-        words.view(torch.uint8),
+        words,
         scales,
         out,
         flat.numel(),
@@ -106,23 +110,26 @@ def lookup(
         BITS=fmt.bits,
         BT=LOOKUP_TOKENS,
         BK=block_cols,
-        num_warps=4,
+        num_warps=LOOKUP_WARPS,
     )
     return out.view(*ids.shape, cols)
 
 
-#: Tokens per lookup program.
-LOOKUP_TOKENS = 8
+#: Tokens per lookup program and its warps: one octet per thread (measured best on an H200,
+#: against 1-8 tokens, 1-8 warps and 256-1,024 columns).
+LOOKUP_TOKENS = 2
+LOOKUP_WARPS = 2
+#: Columns per lookup program, at most.
+LOOKUP_COLS = 256
 # The layout's constants as Triton compile-time values (a kernel reads no other globals).
 _ROWS = tl.constexpr(BLOCK_ROWS)
 _COLS = tl.constexpr(BLOCK_COLS)
-_ELEMENTS = tl.constexpr(BLOCK_ELEMENTS)
 
 
 @triton.jit
 def _lookup_kernel(
     ids_ptr,
-    bytes_ptr,
+    words_ptr,
     scales_ptr,
     out_ptr,
     n_ids,
@@ -133,31 +140,64 @@ def _lookup_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
+    """BT tokens x BK columns, in octets of 8 adjacent columns: an octet's codes lie in 4
+    int32 words of its row's 128-code run, two codes per word, so a thread loads 4 words,
+    computes int32 offsets (checked by the launcher) once per octet, and stores 8 values."""
+    NG: tl.constexpr = BK // GROUP
+    OCTETS: tl.constexpr = GROUP // 8
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    k = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (t < n_ids)[:, None] & (k < cols)[None, :]
-    n = tl.load(ids_ptr + t, mask=t < n_ids, other=0).to(tl.int64)
-    # The element offset of (n, k): formats.machete.element_offset, written out for Triton.
+    token = (t < n_ids)[:, None, None]
+    n = tl.load(ids_ptr + t, mask=t < n_ids, other=0).to(tl.int32)[:, None, None]  # [BT, 1, 1]
+    g = (tl.program_id(1) * NG + tl.arange(0, NG))[None, :, None]  # group, [1, NG, 1]
+    k = g * GROUP + 8 * tl.arange(0, OCTETS)[None, None, :]  # the octet's first column
+    mask = token & (k < cols)
+    # formats.machete.element_offset, per octet: the block; the run of 128 codes of rows n
+    # and n ^ 8 in it; q = column bits 3..5, fixed in the octet; bits 1, 2 pick the word
+    # (`word_step` apart) and bit 0 the code in the word (`odd_shift` apart).
     r = n % _ROWS
-    c = k % _COLS
-    block = (k // _COLS).to(tl.int64)[None, :] * (padded // _ROWS) + (n // _ROWS)[:, None]
-    inner = (((r & 7) | ((r >> 4) << 3)) << 7)[:, None] + (
-        (((c >> 4) & 3) << 3) | (((c >> 1) & 3) << 5)
-    )[None, :]
-    r3 = ((r >> 3) & 1)[:, None]
-    c0 = (c & 1)[None, :]
-    c3 = ((c >> 3) & 1)[None, :]
-    if BITS == 4:
-        low = r3 | (c3 << 1) | (c0 << 2)
-    else:
-        low = c0 | (r3 << 1) | (c3 << 2)
-    element = block * _ELEMENTS + inner + low
-    if BITS == 4:
-        byte = tl.load(bytes_ptr + element // 2, mask=mask, other=0).to(tl.int32)
-        level = ((byte >> ((element & 1) * 4).to(tl.int32)) & 15) - 8
-    else:
-        level = tl.load(bytes_ptr + element, mask=mask, other=0).to(tl.int32) - 128
-    scale = tl.load(scales_ptr + (k // GROUP)[None, :] * padded + n[:, None], mask=mask, other=0.0)
-    value = level.to(tl.float32) * scale.to(tl.float32)
-    offsets = t.to(tl.int64)[:, None] * cols + k[None, :]
-    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=mask)
+    q = (k % _COLS) >> 3
+    block = (k // _COLS) * (padded // _ROWS) + n // _ROWS
+    run = (r & 7) | ((r >> 4) << 3)
+    r3 = (r >> 3) & 1
+    if BITS == 4:  # a word: row bit 3, column bits 3, 0; the run: column bits 4, 5, 1, 2
+        first = q >> 1
+        shift = 4 * (r3 + 2 * (q & 1))
+        word_step: tl.constexpr = 4
+        odd_shift: tl.constexpr = 16
+    else:  # a word: column bit 0, row bit 3; the run: column bits 3, 4, 5, 1, 2
+        first = q
+        shift = 16 * r3
+        word_step: tl.constexpr = 8
+        odd_shift: tl.constexpr = 8
+    base = words_ptr + block * (256 * BITS) + run * (4 * BITS) + first
+    scale = tl.load(scales_ptr + g * padded + n, mask=token & (g * GROUP < cols), other=0.0)
+    scale = scale.to(tl.float32)
+    w0 = tl.load(base, mask=mask, other=0)
+    w1 = tl.load(base + word_step, mask=mask, other=0)
+    w2 = tl.load(base + 2 * word_step, mask=mask, other=0)
+    w3 = tl.load(base + 3 * word_step, mask=mask, other=0)
+    # Columns 8q + 2a + b: word a, code b.
+    v0 = _level(w0, shift, BITS, scale)
+    v1 = _level(w0, shift + odd_shift, BITS, scale)
+    v2 = _level(w1, shift, BITS, scale)
+    v3 = _level(w1, shift + odd_shift, BITS, scale)
+    v4 = _level(w2, shift, BITS, scale)
+    v5 = _level(w2, shift + odd_shift, BITS, scale)
+    v6 = _level(w3, shift, BITS, scale)
+    v7 = _level(w3, shift + odd_shift, BITS, scale)
+    # join(a, b) adds a minor axis of 2: leaves in bit-reversed order come out as v0..v7.
+    values = tl.join(
+        tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    )
+    values = tl.reshape(values, [BT, BK])
+    col = tl.program_id(1) * BK + tl.arange(0, BK)
+    offsets = t.to(tl.int64)[:, None] * cols + col[None, :]
+    out_mask = (t < n_ids)[:, None] & (col < cols)[None, :]
+    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _level(word, shift, BITS: tl.constexpr, scale):
+    """The biased code at `shift` in `word`, as a signed level times `scale` (float32)."""
+    half: tl.constexpr = 1 << (BITS - 1)
+    return (((word >> shift) & (2 * half - 1)) - half).to(tl.float32) * scale
