@@ -7,7 +7,8 @@ against BF16 and the plugin's row-major tables in the same run.
 Times: CUDA events over CUDA-graph replays after warm-up (`bench_kernels.graph_time_us`), the
 median of 3 runs for the GEMM. Tables: random codes and plausible scales, repacked by vLLM's
 `machete_prepack_B`. 'exact' = the lookup kernel equals the torch reference on 64 random ids;
-'same bits' = 10 calls of the GEMM give bit-identical logits at every M.
+'same bits' = 10 calls of the GEMM give bit-identical logits at every M. The anchor row under
+each Machete table is `machete_mm` with Machete's own schedule choice, as vLLM calls it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm_embed_plugin.formats.machete import MacheteLayout, unsupported  # noqa
 from vllm_embed_plugin.kernels import machete  # noqa: E402
 
 TABLES = [(262144, 2560), (151936, 4096)]
-MS = [1, 2, 4, 8, 16, 64, 128, 256, 4096]
+MS = [1, 2, 4, 8, 16, 64, 128, 160, 256, 4096]
 NS = [1, 8, 64, 256, 2048, 16384, 65536]
 #: (label, the plugin's row-major format, the same in Machete's layout or None)
 ROWS = [
@@ -40,6 +41,20 @@ ROWS = [
     ("int4 g64", IntFormat("int4", 4, 64)),
     ("int4 g32 (row-major only)", IntFormat("int4", 4, 32)),
 ]
+
+
+def machete_own_schedule(fmt: MacheteLayout, table, x: torch.Tensor) -> torch.Tensor:
+    """`machete_mm` as vLLM calls it, with Machete's own schedule heuristic."""
+    from vllm import _custom_ops as ops
+
+    words, scales = fmt.machete_operands(table)
+    return ops.machete_mm(
+        a=x,
+        b_q=words,
+        b_type=machete._scalar_type(fmt.bits),
+        b_group_scales=scales,
+        b_group_size=fmt.group_size,
+    )
 
 
 def bench(rows: int, cols: int, log) -> str:
@@ -91,6 +106,15 @@ def bench(rows: int, cols: int, log) -> str:
                 f"{rows}x{cols} {name}: gemm "
                 + " ".join(f"{m}:{gemm[m] / bf_gemm[m]:.2f}" for m in MS)
             )
+            if isinstance(fmt, MacheteLayout):  # the anchor: vLLM's own schedule choice
+                own = {
+                    m: median_time(lambda m=m: machete_own_schedule(fmt, table, xs[m]), m)
+                    for m in MS
+                }
+                gemm_rows.append(
+                    [f"{label}, Machete layout, vLLM's schedule (anchor)"]
+                    + [f"{own[m]:.0f} us ({own[m] / bf_gemm[m]:.2f}x)" for m in MS]
+                )
             log(
                 f"{rows}x{cols} {name}: lookup "
                 + " ".join(f"{n}:{look[n] / bf_lookup[n]:.2f}" for n in NS)

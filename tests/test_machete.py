@@ -154,6 +154,29 @@ def test_head_kernel_setting_picks_the_layout_and_names_what_is_wrong(monkeypatc
         layer_module._head_layout(FORMATS["int6"], table, "target embed")
 
 
+def test_wide_heads_take_wider_machete_tiles_at_middle_sizes(monkeypatch):
+    from vllm_embed_plugin.kernels import machete
+
+    fmt = MacheteLayout(FORMATS["int8"])
+    wide = dict(machete.WIDE_HEAD_SCHEDULES)
+    monkeypatch.setattr(
+        machete, "_supported_schedules", lambda bits, dtype: frozenset(wide.values())
+    )
+    rows, cols = machete.WIDE_HEAD_ROWS, 2560
+    sizes = (1, 16, 32, 33, 64, 65, 128, 129, 4096)
+    got = {m: machete._schedule(fmt, m, rows, cols) for m in sizes}
+    assert got == {
+        **dict.fromkeys((1, 16, 32, 129, 4096)),
+        **dict.fromkeys((33, 64), wide[64]),
+        **dict.fromkeys((65, 128), wide[128]),
+    }
+    assert machete._schedule(fmt, 64, rows - 128, cols) is None  # a small table: Machete's
+    assert machete._schedule(fmt, 64, rows, 4096) is None  # int8 lost there
+    assert machete._schedule(MacheteLayout(BASES[1]), 64, rows, 4096) == wide[64]  # int4 won
+    monkeypatch.setattr(machete, "_supported_schedules", lambda bits, dtype: frozenset())
+    assert machete._schedule(fmt, 64, rows, cols) is None  # a vLLM without that schedule
+
+
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
@@ -217,7 +240,7 @@ def test_gpu_lookup_kernel_is_the_reference_bit_for_bit(base, cols):
 
 @hopper
 @pytest.mark.parametrize("base", BASES, ids=lambda f: f.name)
-@pytest.mark.parametrize("rows", [3000, 4096])
+@pytest.mark.parametrize("rows", [3000, 4096, 40000])  # 40000: wide-head schedules
 def test_gpu_machete_logits_are_right_and_deterministic(base, rows):
     from vllm_embed_plugin.kernels import machete
 
