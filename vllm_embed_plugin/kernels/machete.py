@@ -85,10 +85,12 @@ def linear(fmt: MacheteLayout, table: PackedRows, x: torch.Tensor, cols: int) ->
     return out.to(x.dtype).view(*x.shape[:-1], rows)
 
 
-#: Machete's own heuristic (vLLM's csrc/quantization/machete/generate.py) gives M = 33..128
-#: tiles 128 rows wide. On vocabulary-sized heads, tiles 256 rows wide are faster there, with
-#: the same bits (H200, 262,144 x 2,560 and 151,936 x 4,096): int4 by 3-20% on both; int8 by
-#: 5-10% at 2,560 columns, while at 4,096 they lost 1-12%. Elsewhere its choice stands.
+#: Machete's own heuristic (vLLM's csrc/quantization/machete/generate.py, tuned on H100) gives
+#: M = 33..128 tiles 128 rows wide, unless K >= 16,384 / 8,192 and N >= 12,288, where it takes
+#: 256. On vocabulary-sized heads, tiles 256 rows wide are faster there at any K, with
+#: the same bits (H200, 262,144 x 2,560 and 151,936 x 4,096): int4 by 3-20% on both, int8 by
+#: 5-12% at 2,560 columns; int8 at 4,096 went from 1% faster to 11% slower, so it keeps
+#: Machete's choice there, as does every size outside 33..128.
 WIDE_HEAD_ROWS = 32768
 WIDE_HEAD_INT8_MAX_COLS = 2560
 WIDE_HEAD_SCHEDULES = (
