@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_kernels import graph_time_us, md_table, precompile, random_packed  # noqa: E402
+from timing import md_table, median_time, precompile, random_packed  # noqa: E402
 
 from vllm_embed_plugin.formats import FORMATS  # noqa: E402
 from vllm_embed_plugin.kernels import triton_linear  # noqa: E402
@@ -177,11 +176,6 @@ def cfg_str(cfg: dict | None) -> str:
     if cfg.get("GPOST"):
         bm = "gpost " + bm
     return f"{cfg['KIND']} {bm}BN{cfg['BN']} T{cfg['T']} w{cfg['num_warps']}{st}{' xp' if cfg.get('XPERM') else ''}"
-
-
-def median_time(fn, m: int, runs: int = 3) -> float:
-    replays = 100 if m <= 64 else (30 if m <= 256 else 5)
-    return statistics.median(graph_time_us(fn, replays) for _ in range(runs))
 
 
 def random_gptq(rows: int, cols: int, bits: int, group: int, device: str = "cuda"):

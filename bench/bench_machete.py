@@ -24,8 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gemm import median_time  # noqa: E402
-from bench_kernels import lookup_time, md_table, random_packed  # noqa: E402
+from timing import lookup_time, md_table, median_time, random_packed  # noqa: E402
 
 from vllm_embed_plugin import kernels  # noqa: E402
 from vllm_embed_plugin.formats import IntFormat  # noqa: E402
