@@ -227,6 +227,28 @@ def child(cfg: dict) -> None:
                 }
             )
             continue
+        if op == "profile":
+            # Decode steps with every LM-head call timed inside the worker (host time and GPU
+            # span), then once more under torch.profiler for the kernels of the whole step.
+            from vllm_embed_plugin.tools.introspect import head_profile_start, head_profile_stop
+
+            params = SamplingParams(
+                temperature=0, max_tokens=request["tokens"], ignore_eos=True, detokenize=False
+            )
+            llm.generate(prompts(request["batch"], 32), params, use_tqdm=False)  # warm-up
+            report = {}
+            for kernels in (False, True):
+                llm.collective_rpc(head_profile_start, args=(kernels,))
+                t0 = time.perf_counter()
+                llm.generate(prompts(request["batch"], 32), params, use_tqdm=False)
+                elapsed = time.perf_counter() - t0
+                stats = llm.collective_rpc(head_profile_stop)[0]
+                if kernels:
+                    report["traced"] = {"seconds": elapsed, **stats}
+                else:
+                    report.update(seconds=elapsed, steps=request["tokens"], **stats)
+            emit({"event": "profile", **report})
+            continue
         # Timed: decode (batch prompts of 32 tokens, `tokens` new tokens each) or prefill
         # (one prompt of `length` tokens, one new token). A warm-up at the same shape first.
         if op == "decode":
@@ -346,11 +368,18 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
 
 def plugin_env(config: str) -> dict[str, str]:
     """The plugin's settings for one configuration: 'off', a format, or 'format/head kernel'
-    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete)."""
+    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete); a
+    trailing '@nographs' launches the head through its op, without the head's CUDA graphs
+    (the path before them)."""
+    config, _, variant = config.partition("@")
     fmt, _, head = config.partition("/")
     env = {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt}
     if head:
         env["VLLM_EMBED_HEAD_KERNEL"] = head
+    if variant == "nographs":
+        env["VLLM_EMBED_NO_HEAD_GRAPHS"] = "1"
+    elif variant:
+        raise SystemExit(f"unknown variant {variant!r} in {config!r}@{variant}: only 'nographs'")
     return env
 
 
@@ -381,7 +410,9 @@ def measure_model(
     try:
         for fmt in formats:
             print(f"[{name}] starting {fmt}", flush=True)
-            engine = Engine(f"{name}-{fmt.replace('/', '+')}", base, plugin_env(fmt), log_dir)
+            engine = Engine(
+                f"{name}-{fmt.replace('/', '+').replace('@', '-')}", base, plugin_env(fmt), log_dir
+            )
             engines[fmt] = engine
             log = engine.log_text()
             results["formats"][fmt] = {
@@ -439,9 +470,81 @@ def measure_model(
                 flush=True,
             )
             save()
+        if args.profile:
+            profile_model(args, name, engines, results, save)
     finally:
         for engine in engines.values():
             engine.close()
+
+
+PROFILE_BATCHES = (1, 64)
+
+
+def profile_model(args, name: str, engines: dict, results: dict, save) -> None:
+    """Where a decode step's time goes, per format against BF16 ('off'): the step (wall time
+    over a fixed number of decode steps), the LM head's GPU span and host time (timed inside
+    the worker), and the rest. Interleaved and repeated like the timings; a kernel trace of
+    one more run per engine lists the kernels behind the rest."""
+    for batch in PROFILE_BATCHES:
+        label = f"profile_b{batch}"
+        request = {"op": "profile", "batch": batch, "tokens": args.decode_tokens}
+        for rep in range(args.reps):
+            order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+            for fmt, engine in order:
+                report = engine.ask(request, "profile")
+                results["formats"][fmt].setdefault(label, []).append(report)
+        print(
+            f"[{name}] {label}: "
+            + "; ".join(f"{fmt} {_profile_row(results['formats'][fmt][label])}" for fmt in engines),
+            flush=True,
+        )
+        save()
+
+
+def _profile_row(reports: list[dict]) -> str:
+    step = statistics.median(r["seconds"] / r["steps"] * 1e6 for r in reports)
+    gpu = statistics.median(r["head_gpu_us_median"] for r in reports)
+    cpu = statistics.median(r["head_cpu_us_median"] for r in reports)
+    return f"step {step:.0f} us, head GPU {gpu:.0f} us, head CPU {cpu:.0f} us"
+
+
+def profile_split(results: dict, fmt: str, batch: int) -> dict | None:
+    """The per-step difference of `fmt` against 'off' at `batch`, split into the head's GPU
+    span, its host time and the rest (medians over the repeats; spread of the step)."""
+    label = f"profile_b{batch}"
+    base, runs = results["formats"]["off"].get(label), results["formats"][fmt].get(label)
+    if not base or not runs:
+        return None
+
+    def med(reports, key):
+        return statistics.median(key(r) for r in reports)
+
+    steps = [r["seconds"] / r["steps"] * 1e6 for r in runs]
+    step = statistics.median(steps)
+    step_off = med(base, lambda r: r["seconds"] / r["steps"] * 1e6)
+    gpu = med(runs, lambda r: r["head_gpu_us_median"])
+    gpu_off = med(base, lambda r: r["head_gpu_us_median"])
+    cpu = med(runs, lambda r: r["head_cpu_us_median"])
+    cpu_off = med(base, lambda r: r["head_cpu_us_median"])
+    kernels = runs[-1].get("traced", {}).get("gpu_kernel_us_total")
+    kernels_off = base[-1].get("traced", {}).get("gpu_kernel_us_total")
+    return {
+        "step_us": step,
+        "step_us_spread": [min(steps), max(steps)],
+        "step_us_off": step_off,
+        "speed_vs_off": step_off / step,
+        "delta_step_us": step - step_off,
+        "delta_head_gpu_us": gpu - gpu_off,
+        "delta_head_cpu_us": cpu - cpu_off,
+        "delta_rest_us": (step - step_off) - (gpu - gpu_off),
+        "delta_kernels_per_step_us": (kernels - kernels_off) / runs[-1]["steps"]
+        if kernels is not None and kernels_off is not None
+        else None,
+        "head_gpu_us": gpu,
+        "head_cpu_us": cpu,
+        "head_gpu_us_off": gpu_off,
+        "head_cpu_us_off": cpu_off,
+    }
 
 
 def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
@@ -647,6 +750,7 @@ def summarize(out: dict) -> str:
                 cells.append(f"{med:,.0f} ({ratio:.3f}; {min(values):,.0f}-{max(values):,.0f})")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += profile_lines(model)
     for name in ("draft_model", "mtp"):
         if name in out:
             lines += [
@@ -658,6 +762,43 @@ def summarize(out: dict) -> str:
                 "",
             ]
     return "\n".join(lines)
+
+
+def profile_lines(model: dict) -> list[str]:
+    """The profile split (`--profile`) as a Markdown table, or nothing."""
+    rows = []
+    for batch in PROFILE_BATCHES:
+        for fmt in model["formats"]:
+            split = profile_split(model, fmt, batch) if fmt != "off" else None
+            if split is None:
+                continue
+            rows.append(
+                f"| {batch} | {fmt} | {split['step_us']:.0f} ({split['step_us_spread'][0]:.0f}-"
+                f"{split['step_us_spread'][1]:.0f}) vs {split['step_us_off']:.0f} "
+                f"({split['speed_vs_off']:.3f}x) | {split['delta_step_us']:+.0f} | "
+                f"{split['head_gpu_us']:.0f} vs {split['head_gpu_us_off']:.0f} "
+                f"({split['delta_head_gpu_us']:+.0f}) | {split['head_cpu_us']:.0f} vs "
+                f"{split['head_cpu_us_off']:.0f} ({split['delta_head_cpu_us']:+.0f}) | "
+                f"{split['delta_rest_us']:+.0f} | "
+                + (
+                    f"{split['delta_kernels_per_step_us']:+.0f}"
+                    if split["delta_kernels_per_step_us"] is not None
+                    else "-"
+                )
+                + " |"
+            )
+    if not rows:
+        return []
+    return [
+        "Decode step split against BF16 (us per step; medians of the repeats):",
+        "",
+        "| batch | format | step us (spread) vs off | step delta | head GPU span vs off (delta) "
+        "| head host time vs off (delta) | rest of the step delta | GPU kernel time per step "
+        "delta (trace) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _strip(value):
@@ -704,6 +845,12 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument(
         "--attention", default="TRITON_ATTN", help="vLLM attention backend ('' = vLLM's choice)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split each decode step's time (head GPU, head host time, the rest) "
+        f"against BF16 at batches {PROFILE_BATCHES}",
     )
     args = parser.parse_args()
     if args.child:

@@ -54,6 +54,8 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         self.on_host = on_host
         #: LM heads tied to this table; they read the packed table, never a BF16 copy.
         self.tied_heads: list[torch.nn.Module] = []
+        #: The head's GEMM recorded per batch size: vLLM computes logits outside its graphs.
+        self.head_graphs = kernels.HeadGraphs()
         memory.expect_conversion()
 
     def tie_head(self, head: torch.nn.Module, embedding: torch.nn.Module) -> None:
@@ -174,7 +176,9 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
-        logits = kernels.linear(self.fmt_key, self.packed(layer), x, layer.embedding_cols)
+        logits = kernels.linear(
+            self.fmt_key, self.packed(layer), x, layer.embedding_cols, graphs=self.head_graphs
+        )
         return logits if bias is None else logits + bias
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..formats import ConversionError, IdentityFormat, IntFormat, PackedRows, TableFormat
 from ..formats.machete import MacheteLayout
+from .head_graphs import HeadGraphs
 from .ops import format_of, register_format
 
 #: Bound on the dense float chunk the torch `linear` path materialises at a time.
@@ -68,10 +69,46 @@ def lookup(
     )
 
 
-def linear(fmt: TableFormat | str, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
-    """Tied LM head: x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype, without ever
-    densifying the whole table. One custom op."""
+def linear(
+    fmt: TableFormat | str,
+    table: PackedRows,
+    x: torch.Tensor,
+    cols: int,
+    graphs: HeadGraphs | None = None,
+) -> torch.Tensor:
+    """LM head: x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype, without ever
+    densifying the whole table. One custom op; called eagerly (as vLLM computes its logits)
+    with `graphs`, the table's `HeadGraphs`, it replays the call's CUDA graph instead: see
+    head_graphs.py for why, and for the lifetime of the logits it returns."""
+    if graphs is not None and not torch.compiler.is_compiling():
+        fmt = format_of(fmt) if isinstance(fmt, str) else fmt
+        if _graphable(fmt, table, x):
+            out = graphs.logits(
+                lambda xs, dest: linear_eager(fmt, table, xs, cols, out=dest),
+                (table.codes.data_ptr(), table.scales.data_ptr(), _data_ptr(table.mins)),
+                x.reshape(-1, cols),
+                table.num_rows,
+            )
+            if out is not None:
+                return out.view(*x.shape[:-1], table.num_rows)
     return torch.ops.vllm_embed.linear(x, table.codes, table.scales, table.mins, _key(fmt), cols)
+
+
+def _graphable(fmt: TableFormat, table: PackedRows, x: torch.Tensor) -> bool:
+    """Whether the head call goes through a recorded graph: the plugin's Triton GEMM on CUDA
+    (Machete's and cuBLAS's own launches are cheap on the host)."""
+    return (
+        x.is_cuda
+        and table.codes.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and not isinstance(fmt, (IdentityFormat, MacheteLayout))
+        and _triton_module("triton_linear") is not None
+        and os.environ.get("VLLM_EMBED_NO_HEAD_GRAPHS", "") not in ("1", "true", "yes")
+    )
+
+
+def _data_ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def lookup_eager(
@@ -98,17 +135,30 @@ def lookup_torch(
     return out.view(*ids.shape, cols)
 
 
-def linear_eager(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int) -> torch.Tensor:
-    """The op's body: the Triton weight-only GEMM on CUDA, else the torch path."""
+def linear_eager(
+    fmt: TableFormat,
+    table: PackedRows,
+    x: torch.Tensor,
+    cols: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The op's body: the Triton weight-only GEMM on CUDA, else the torch path. With `out`
+    ([m, rows], m = the rows of x) the logits are written there."""
+    result = None
     if isinstance(fmt, IdentityFormat) and x.dtype == table.codes.dtype:
-        return F.linear(x, table.codes)
-    if x.is_cuda and table.codes.is_cuda:
-        kernels = _triton_module("machete" if isinstance(fmt, MacheteLayout) else "triton_linear")
-        if kernels is not None:
-            out = kernels.linear(fmt, table, x, cols)
-            if out is not None:
-                return out
-    return linear_torch(fmt, table, x, cols)
+        result = F.linear(x, table.codes)
+    elif x.is_cuda and table.codes.is_cuda:
+        if isinstance(fmt, MacheteLayout):
+            kernels = _triton_module("machete")
+            result = kernels.linear(fmt, table, x, cols) if kernels is not None else None
+        elif (kernels := _triton_module("triton_linear")) is not None:
+            result = kernels.linear(fmt, table, x, cols, out=out)
+    if result is None:
+        result = linear_torch(fmt, table, x, cols)
+    if out is None or result.data_ptr() == out.data_ptr():
+        return result
+    out.copy_(result.reshape(out.shape))
+    return out
 
 
 def _is_int8_per_row(fmt: TableFormat) -> bool:
@@ -195,6 +245,7 @@ def round_group_jointly_fast(
 
 
 __all__ = [
+    "HeadGraphs",
     "format_of",
     "linear",
     "linear_eager",

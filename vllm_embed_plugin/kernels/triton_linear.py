@@ -1160,10 +1160,10 @@ def _linear_cublas(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, 
 
 
 def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
-           config: dict | None = None) -> torch.Tensor | None:
-    """x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype; None if the format is not
-    one the kernels handle. Deterministic: the same inputs give the same bits every call
-    (no atomics; split sums are reduced in a fixed order)."""
+           config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., cols] @ dequant(table)^T -> [..., rows] in x.dtype (into `out` [m, rows] if
+    given); None if the format is not one the kernels handle. Deterministic: the same inputs
+    give the same bits every call (no atomics; split sums are reduced in a fixed order)."""
     spec = spec_of(fmt, cols)
     if spec is None or x.dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -1172,7 +1172,8 @@ def linear(fmt: TableFormat, table: PackedRows, x: torch.Tensor, cols: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], table.num_rows
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
     # An explicit config (tests, benchmark sweeps) replaces the heuristic whole: merged into

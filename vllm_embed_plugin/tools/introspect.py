@@ -81,3 +81,79 @@ def worker_report(worker) -> dict:
         "target": embedding_report(runner.model),
         "draft": embedding_report(draft_model) if draft_model is not None else None,
     }
+
+
+#: State of `head_profile_start` / `head_profile_stop` in a worker process.
+_HEAD_PROFILE: dict = {}
+
+
+def head_profile_start(worker, kernels: bool = False) -> None:
+    """Time every LM-head call of this worker from now on (for `LLM.collective_rpc`): host
+    time of `compute_logits` (perf_counter, no synchronisation) and its GPU span (CUDA events
+    around it). With `kernels`, also a torch.profiler trace of every GPU kernel, CUDA-graph
+    replays included, for the split of the rest of the step."""
+    import time
+
+    state = _HEAD_PROFILE
+    model = worker.model_runner.model
+    if state.get("model") is not model:
+        original = model.compute_logits
+
+        def timed(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            host = time.perf_counter() - t0
+            end.record()
+            state["calls"].append((host, start, end, args[0].shape[0] if args else 0))
+            return out
+
+        model.compute_logits = timed  # an instance attribute: vLLM calls model.compute_logits
+        state["model"] = model
+    state["calls"] = []
+    state["profiler"] = None
+    if kernels:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        state["profiler"] = torch.profiler.profile(activities=activities)
+        state["profiler"].__enter__()
+
+
+def head_profile_stop(worker, top: int = 12) -> dict:
+    """What `head_profile_start` measured since: LM-head calls with their host and GPU time
+    (us, mean and median), and with a kernel trace the GPU time of all kernels and the `top`
+    kernels by time (us in all)."""
+    import statistics
+
+    torch.cuda.synchronize()
+    state = _HEAD_PROFILE
+    calls = state.get("calls", [])
+    host = [c[0] * 1e6 for c in calls]
+    gpu = [c[1].elapsed_time(c[2]) * 1e3 for c in calls]
+    report = {
+        "head_calls": len(calls),
+        "head_rows": sorted({c[3] for c in calls}),
+        "head_cpu_us_mean": statistics.fmean(host) if host else None,
+        "head_cpu_us_median": statistics.median(host) if host else None,
+        "head_gpu_us_mean": statistics.fmean(gpu) if gpu else None,
+        "head_gpu_us_median": statistics.median(gpu) if gpu else None,
+    }
+    profiler = state.get("profiler")
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        state["profiler"] = None
+        kernels = sorted(
+            (
+                (e.key, e.self_device_time_total, e.count)
+                for e in profiler.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total
+            ),
+            key=lambda k: -k[1],
+        )
+        report["gpu_kernel_us_total"] = sum(k[1] for k in kernels)
+        report["top_kernels"] = [
+            {"name": name[:90], "us": us, "count": count} for name, us, count in kernels[:top]
+        ]
+    state["calls"] = []
+    return report
