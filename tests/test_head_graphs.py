@@ -56,7 +56,7 @@ def test_replayed_head_is_bit_identical_to_the_direct_launch(name):
             got = kernels.linear(fmt, table, x, cols, graphs=graphs).clone()
             want = kernels.linear_eager(fmt, table, x, cols)
             assert torch.equal(got, want), (name, m)
-    assert set(graphs._graphs) == {3, 200, 256}  # the buffers grew at 40 and at 200
+    assert set(graphs._recorded) == {3, 200, 256}  # the buffers grew at 40 and at 200
 
 
 @cuda
@@ -73,7 +73,7 @@ def test_a_new_table_records_anew_and_large_batches_launch_directly():
     big = torch.randn(head_graphs.MAX_ROWS + 1, 128, dtype=torch.bfloat16, device="cuda")
     out = kernels.linear(fmt, table, big, 128, graphs=graphs)
     assert torch.equal(out, kernels.linear_eager(fmt, table, big, 128))
-    assert head_graphs.MAX_ROWS + 1 not in graphs._graphs
+    assert head_graphs.MAX_ROWS + 1 not in graphs._recorded
 
 
 @cuda
@@ -84,11 +84,11 @@ def test_inside_a_capture_the_head_launches_directly():
     graphs = kernels.HeadGraphs()
     x = torch.randn(2, 128, dtype=torch.bfloat16, device="cuda")
     kernels.linear(fmt, table, x, 128, graphs=graphs)  # compiled, and a graph for m=2
-    graphs._graphs.clear()
+    graphs._recorded.clear()
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
         out = kernels.linear(fmt, table, x, 128, graphs=graphs)
-    assert not graphs._graphs
+    assert not graphs._recorded
     x.copy_(torch.randn_like(x))
     outer.replay()
     torch.cuda.synchronize()

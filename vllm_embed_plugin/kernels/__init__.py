@@ -30,6 +30,9 @@ INT8PACK_MAX_ROWS = 8
 TRITON_MODULES = ("triton_lookup", "triton_linear", "triton_quantize", "triton_joint", "machete")
 
 _triton: dict[str, object] = {}
+#: `VLLM_EMBED_NO_HEAD_GRAPHS=1`: the head launches through its op on every call, as before
+#: head graphs (for comparisons).
+_NO_HEAD_GRAPHS = os.environ.get("VLLM_EMBED_NO_HEAD_GRAPHS", "") in ("1", "true", "yes")
 
 
 def prepare(device: torch.device | str) -> None:
@@ -83,14 +86,16 @@ def linear(
     if graphs is not None and not torch.compiler.is_compiling():
         fmt = format_of(fmt) if isinstance(fmt, str) else fmt
         if _graphable(fmt, table, x):
+            key = (table.codes.data_ptr(), table.scales.data_ptr(), _data_ptr(table.mins), x.dtype)
+            x2 = x if x.dim() == 2 else x.reshape(-1, cols)
             out = graphs.logits(
                 lambda xs, dest: linear_eager(fmt, table, xs, cols, out=dest),
-                (table.codes.data_ptr(), table.scales.data_ptr(), _data_ptr(table.mins)),
-                x.reshape(-1, cols),
+                key,
+                x2,
                 table.num_rows,
             )
             if out is not None:
-                return out.view(*x.shape[:-1], table.num_rows)
+                return out if x.dim() == 2 else out.view(*x.shape[:-1], table.num_rows)
     return torch.ops.vllm_embed.linear(x, table.codes, table.scales, table.mins, _key(fmt), cols)
 
 
@@ -102,8 +107,8 @@ def _graphable(fmt: TableFormat, table: PackedRows, x: torch.Tensor) -> bool:
         and table.codes.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and not isinstance(fmt, (IdentityFormat, MacheteLayout))
+        and not _NO_HEAD_GRAPHS
         and _triton_module("triton_linear") is not None
-        and os.environ.get("VLLM_EMBED_NO_HEAD_GRAPHS", "") not in ("1", "true", "yes")
     )
 
 

@@ -33,7 +33,8 @@ class HeadGraphs:
     """One table's head calls, recorded per number of rows and replayed."""
 
     def __init__(self) -> None:
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        #: rows of x -> (the graph, its static input x [m, cols], its output [m, rows]).
+        self._recorded: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._key: tuple | None = None
         self._x: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -44,33 +45,36 @@ class HeadGraphs:
         self, launch: Launch, key: tuple, x2: torch.Tensor, rows: int
     ) -> torch.Tensor | None:
         """The logits [m, rows] of x2 [m, cols] through a replayed graph, or None where a graph
-        does not apply (the caller launches directly). `key` names what the recorded kernels
-        read besides x (the table's storage): a different key records anew."""
-        m = x2.shape[0]
-        if not 0 < m <= MAX_ROWS or torch.cuda.is_current_stream_capturing():
+        does not apply (the caller launches directly). `key` names everything the recorded
+        kernels read besides x (the table's storage, x's dtype): a new key records anew."""
+        if torch.cuda.is_current_stream_capturing():
             return None
-        key = (*key, x2.dtype, x2.device, x2.shape[1], rows)
-        if key != self._key or self._out.shape[0] < m:
-            self._reset(key, x2, rows, m)
-        graph = self._graphs.get(m)
-        if graph is None:
-            graph = self._graphs[m] = self._record(launch, m)
-        self._x[:m].copy_(x2)
+        m = x2.shape[0]
+        recorded = self._recorded.get(m) if key == self._key else None
+        if recorded is None:
+            if not 0 < m <= MAX_ROWS:
+                return None
+            if key != self._key or self._out.shape[0] < m:
+                self._reset(key, x2, rows, m)
+            recorded = self._recorded[m] = self._record(launch, m)
+        graph, x, out = recorded
+        x.copy_(x2)
         graph.replay()
-        return self._out[:m]
+        return out
 
     def _reset(self, key: tuple, x2: torch.Tensor, rows: int, m: int) -> None:
         """New static buffers (large enough for m rows) and no graphs: they read the old ones."""
-        capacity = max(MIN_BUFFER_ROWS, 1 << (m - 1).bit_length())
-        self._graphs.clear()
+        self._recorded.clear()
+        # A pool whose graphs are all gone is released: the next graphs need a new one.
+        self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(x2.device)
+        capacity = min(MAX_ROWS, max(MIN_BUFFER_ROWS, 1 << (m - 1).bit_length()))
         self._key = key
         self._x = x2.new_zeros((MAX_ROWS, x2.shape[1]))
-        self._out = x2.new_empty((min(capacity, MAX_ROWS), rows))
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(x2.device)
+        self._out = x2.new_empty((capacity, rows))
 
-    def _record(self, launch: Launch, m: int) -> torch.cuda.CUDAGraph:
+    def _record(self, launch: Launch, m: int):
         x, out = self._x[:m], self._out[:m]
         caller = torch.cuda.current_stream()
         self._stream.wait_stream(caller)
@@ -85,4 +89,4 @@ class HeadGraphs:
             finally:
                 graph.capture_end()
         caller.wait_stream(self._stream)
-        return graph
+        return graph, x, out
