@@ -555,42 +555,9 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
 # -- packed words on tensor cores, one dot per tile ("wdot") ---------------------------------
 #
 # The P pieces of a tile of T blocks are put back into column order with a tree of joins
-# (`_nP`: leaves in bit-reversed order, as in the lookup), so one tile is one [BN, T * P]
-# operand and one dot with x's matching [BM, T * P] columns (no permutation of x, no dot per
-# piece). Each weight is decoded once for all BM rows of x.
-
-
-@triton.jit
-def _n2(p0, p1):
-    return tl.join(p0, p1)
-
-
-@triton.jit
-def _n4(p0, p1, p2, p3):
-    e = _n2(p0, p2)
-    o = _n2(p1, p3)
-    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 4])
-
-
-@triton.jit
-def _n8(p0, p1, p2, p3, p4, p5, p6, p7):
-    e = _n4(p0, p2, p4, p6)
-    o = _n4(p1, p3, p5, p7)
-    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 8])
-
-
-@triton.jit
-def _n16(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
-    e = _n8(p0, p2, p4, p6, p8, p10, p12, p14)
-    o = _n8(p1, p3, p5, p7, p9, p11, p13, p15)
-    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 16])
-
-
-@triton.jit
-def _n32(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, p16, p17, p18, p19, p20, p21, p22, p23, p24, p25, p26, p27, p28, p29, p30, p31):
-    e = _n16(p0, p2, p4, p6, p8, p10, p12, p14, p16, p18, p20, p22, p24, p26, p28, p30)
-    o = _n16(p1, p3, p5, p7, p9, p11, p13, p15, p17, p19, p21, p23, p25, p27, p29, p31)
-    return tl.reshape(tl.join(e, o), [p0.shape[0], p0.shape[1], 32])
+# (`_wtree`: pieces J, J + STEP, ... joined even-then-odd, recursively), so one tile is one
+# [BN, T * P] operand and one dot with x's matching [BM, T * P] columns (no permutation of x,
+# no dot per piece). Each weight is decoded once for all BM rows of x.
 
 
 @triton.jit
@@ -613,18 +580,31 @@ def _wpiece(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr, SIG
 
 
 @triton.jit
+def _wtree(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr,
+           BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr, PRE: tl.constexpr,
+           HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr, sblk, mblk, soff0, t, scales_ptr,
+           mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
+    """Pieces J, J + STEP, ..., J + (N - 1) * STEP as [BN, T, N] (one piece: [BN, T]). The
+    even half and the odd half, joined: element i of the result is piece J + i * STEP."""
+    if N == 1:
+        return _wpiece(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE,
+                       sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT)
+    else:
+        e = _wtree(w0, w1, w2, w3, w4, w5, w6, J, 2 * STEP, N // 2, BITS, SIGNED, FP8, PRE, HAS_MIN,
+                   BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT)
+        o = _wtree(w0, w1, w2, w3, w4, w5, w6, J + STEP, 2 * STEP, N // 2, BITS, SIGNED, FP8, PRE,
+                   HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P,
+                   GROUP, DT)
+        return tl.reshape(tl.join(e, o), [e.shape[0], e.shape[1], N])
+
+
+@triton.jit
 def _wtile(w0, w1, w2, w3, w4, w5, w6, BITS: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
            PRE: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_SCALE: tl.constexpr, sblk, mblk, soff0, t,
            scales_ptr, mins_ptr, wmask, P: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr):
     """The tile [BN, T * P] in column order."""
-    if P == 4:
-        v = _n4(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
-    elif P == 8:
-        v = _n8(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
-    elif P == 16:
-        v = _n16(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
-    else:
-        v = _n32(_wpiece(w0, w1, w2, w3, w4, w5, w6, 0, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 1, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 2, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 3, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 4, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 5, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 7, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 8, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 9, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 10, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 11, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 12, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 13, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 14, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 15, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 16, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 17, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 18, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 19, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 20, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 21, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 22, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 23, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 24, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 25, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 26, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 27, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 28, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 29, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 30, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT), _wpiece(w0, w1, w2, w3, w4, w5, w6, 31, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT))
+    v = _wtree(w0, w1, w2, w3, w4, w5, w6, 0, 1, P, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE,
+               sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, DT)
     return tl.reshape(v, [v.shape[0], v.shape[1] * P])
 
 
