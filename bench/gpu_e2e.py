@@ -650,9 +650,12 @@ def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, res
             ],
             "graph_breaks": log.count("Graph break"),
         }
+        # Printed as it comes, so a run cut short still shows it.
         print(
-            f"[{name}] {label}: init {ready['init_s']:.1f} s, KV {ready['kv_tokens']:,} tokens, "
-            f"tables {results[label]['table_bytes']:,} B",
+            f"[{name}] {label}: init {ready['init_s']:.1f} s, KV {ready['kv_tokens']:,} tokens "
+            f"({ready.get('kv_bytes')} B), tables {results[label]['table_bytes']:,} B, "
+            f"shared {results[label]['shared']}, "
+            f"{len(results[label]['unknown_env_warnings'])} unknown-variable warnings",
             flush=True,
         )
     return engines
