@@ -3,7 +3,11 @@
 graphs on, no enforce_eager -- plugin off and on, in the same run.
 
     python bench/gpu_e2e.py --suite main --out OUT          # untied + tied models, throughput
-    python bench/gpu_e2e.py --suite spec --out OUT          # draft model and MTP drafter
+    python bench/gpu_e2e.py --suite spec --out OUT          # a separate draft model
+    python bench/gpu_e2e.py --suite mtp --quick             # MTP drafter sharing the table
+    python bench/gpu_e2e.py --suite selfdraft --quick       # draft = target: acceptance
+    python bench/gpu_e2e.py --suite host --quick            # host formats under CUDA graphs
+    python bench/gpu_e2e.py --suite eagle                   # EAGLE-3 dummy head (optional)
     python bench/gpu_e2e.py --suite main --quick            # tiny shapes, about 8 minutes
     python bench/gpu_e2e.py ... --tensor-parallel-size 2    # every engine on 2 GPUs
 
@@ -168,14 +172,20 @@ def child(cfg: dict) -> None:
         kwargs["hf_overrides"] = cfg["hf_overrides"]
     if cfg.get("load_format"):
         kwargs["load_format"] = cfg["load_format"]
+    kwargs.update(cfg.get("engine_args") or {})
     llm = LLM(**kwargs)
     cache = llm.llm_engine.vllm_config.cache_config
     report = llm.collective_rpc(worker_report)
+    try:
+        kv_bytes = llm.collective_rpc(kv_cache_bytes)[0]
+    except Exception:  # noqa: BLE001 - a report, never a failure
+        kv_bytes = None
     emit(
         {
             "event": "ready",
             "init_s": time.perf_counter() - started,
             "kv_tokens": cache.num_gpu_blocks * cache.block_size,
+            "kv_bytes": kv_bytes,
             "workers": report,
             "gpu_bytes_allocated": torch.cuda.memory_allocated()
             if torch.cuda.is_available()
@@ -249,6 +259,9 @@ def child(cfg: dict) -> None:
                     report.update(seconds=elapsed, steps=request["tokens"], **stats)
             emit({"event": "profile", **report})
             continue
+        if op == "accept":
+            emit({"event": "accept", **accept_run(llm, vocab, request)})
+            continue
         # Timed: decode (batch prompts of 32 tokens, `tokens` new tokens each) or prefill
         # (one prompt of `length` tokens, one new token). A warm-up at the same shape first.
         if op == "decode":
@@ -274,12 +287,15 @@ def spec_counters(llm) -> dict:
         "vllm:spec_decode_num_drafts",
         "vllm:spec_decode_num_draft_tokens",
         "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
     }
     out = {}
     try:
         for metric in llm.get_metrics():
             if metric.name in wanted:
-                out[metric.name.split(":")[1]] = getattr(metric, "value", None)
+                # Counters carry `value`; the per-position vector `values`.
+                value = getattr(metric, "value", None)
+                out[metric.name.split(":")[1]] = getattr(metric, "values", value)
     except Exception as exc:  # noqa: BLE001 - metrics are a report, never a failure
         out["error"] = repr(exc)
     return out
@@ -584,20 +600,202 @@ def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> Non
         results["top5_problems"] = greedy_close(
             results["formats"]["off"]["greedy"], results["formats"]["int8"]["greedy"]
         )
+
+
+# -- speculative decoding and host tables (issue 26): --suite mtp | selfdraft | host --------------
+
+
+def kv_cache_bytes(worker) -> int:
+    """Bytes of KV cache this worker allocated: attention and, in a hybrid model, the
+    linear-attention state, which come out of the same budget (tensors of a packed layout
+    share one allocation)."""
+    tensors = worker.model_runner.kv_cache_config.kv_cache_tensors
+    packed = [t.size for t in tensors if getattr(t, "block_stride", 0)]
+    own = [t.size for t in tensors if not getattr(t, "block_stride", 0)]
+    return sum(own) + max(packed, default=0)
+
+
+def accept_run(llm, vocab: int, request: dict) -> dict:
+    """Greedy generation on fixed random prompts; vLLM's spec-decode counters before and after."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    fixed = random.Random(2)
+    batch = [
+        TokensPrompt(prompt_token_ids=[fixed.randrange(3, vocab) for _ in range(32)])
+        for _ in range(request["prompts"])
+    ]
+    params = SamplingParams(
+        temperature=0, max_tokens=request["tokens"], ignore_eos=True, detokenize=False
+    )
+    before = spec_counters(llm)
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return {
+        "before": before,
+        "after": spec_counters(llm),
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    }
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Draft tokens proposed and accepted between two readings of vLLM's counters."""
+    drafted = (after.get("num_draft_tokens") or 0) - (before.get("num_draft_tokens") or 0)
+    accepted = (after.get("num_accepted_tokens") or 0) - (before.get("num_accepted_tokens") or 0)
+    per_pos = [
+        a - b
+        for a, b in zip(
+            after.get("num_accepted_tokens_per_pos") or [],
+            before.get("num_accepted_tokens_per_pos") or [],
+        )
+    ]
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "rate": accepted / drafted if drafted else None,
+        "accepted_per_position": per_pos,
+    }
+
+
+def _storages(table: dict) -> set[int]:
+    return {ptr for ptr, _ in table["storages"].values()}
+
+
+def shared_by_identity(target_tables: list[dict], draft_tables: list[dict]) -> dict:
+    """For the drafter's embedding and LM head: True when every tensor of it (codes, scales,
+    mins) lives in the storage of the target's table of the same kind, False when it is a
+    table of its own (even one with equal bytes), None when the drafter has no such table."""
+    result = {}
+    for kind in ("embedding", "lm_head"):
+        drafts = [t for t in draft_tables if t["kind"] == kind]
+        targets = [_storages(t) for t in target_tables if t["kind"] == kind]
+        result[kind] = (
+            all(any(_storages(d) == t for t in targets) for d in drafts) if drafts else None
+        )
+    return result
+
+
+def unique_table_bytes(ready: dict) -> int:
+    """GPU bytes of the vocabulary tables of the target and the drafter (rank 0), each storage
+    counted once: a drafter table that is the target's adds nothing; a host table is not in
+    GPU memory."""
+    sizes = {}
+    for model in ("target", "draft"):
+        for table in (ready["workers"][0].get(model) or {}).get("tables", []):
+            if not table.get("on_host"):
+                sizes.update(dict(table["storages"].values()))
+    return sum(sizes.values())
+
+
+def kv_gain(off: dict, on: dict) -> float | None:
+    """KV-cache bytes gained over table bytes freed, against the BF16 engine."""
+    freed = off["table_bytes"] - on["table_bytes"]
+    if not freed or off.get("kv_bytes") is None or on.get("kv_bytes") is None:
+        return None
+    return (on["kv_bytes"] - off["kv_bytes"]) / freed
+
+
+def suite_budget(args) -> dict:
+    """Timing sizes of the mtp, selfdraft and host suites: `--quick` keeps their shapes (they
+    are the measurement) and vLLM's CUDA-graph sizes, and cuts repeats and tokens, to fit
+    about 8 minutes per suite."""
     if not args.quick:
-        measure_mtp(args, root, out, log_dir)
+        return dict(reps=args.reps, decode_tokens=args.decode_tokens, prefill=args.prefill)
+    return dict(
+        reps=min(args.reps, 3),
+        decode_tokens=min(args.decode_tokens, 64),
+        prefill=min(args.prefill, 4096),
+    )
 
 
-def build_mtp_model(root: Path) -> Path:
-    """A Qwen3.5-style (hybrid linear/full attention) text config with one MTP layer; the
-    weights are vLLM's dummy ones (load_format='dummy'), so no checkpoint is written."""
+def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, results: dict):
+    """Start one engine per configuration (one after the other) and record what each start
+    showed; an engine that fails is reported with its log's tail and left out."""
+    import re
+
+    engines = {}
+    for label, env in configs.items():
+        print(f"[{name}] starting {label}", flush=True)
+        try:
+            engine = Engine(f"{name}-{label}", base, env, log_dir)
+        except RuntimeError as exc:
+            results[label] = {
+                "error": str(exc),
+                "log_tail": (log_dir / f"{name}-{label}.log").read_text(errors="replace")[-4000:],
+            }
+            print(f"[{name}] {label} FAILED: {exc}", flush=True)
+            continue
+        engines[label] = engine
+        log = engine.log_text()
+        ready = engine.ready
+        workers = ready["workers"][0]
+        loading = re.findall(r"Model loading took ([\d.]+) GiB", log)
+        results[label] = {
+            "init_s": ready["init_s"],
+            "kv_tokens": ready["kv_tokens"],
+            "kv_bytes": ready.get("kv_bytes"),
+            "table_bytes": unique_table_bytes(ready),
+            "model_loading_gib": float(loading[0]) if loading else None,
+            "target_tables": workers["target"]["tables"],
+            "draft_tables": (workers.get("draft") or {}).get("tables"),
+            "shared": shared_by_identity(
+                workers["target"]["tables"], (workers.get("draft") or {}).get("tables") or []
+            )
+            if workers.get("draft")
+            else None,
+            "conversion_log": [
+                x.split("vllm-embed-plugin: ", 1)[1]
+                for x in log.splitlines()
+                if "table ->" in x and "vllm-embed-plugin: " in x
+            ],
+            "share_log": [x for x in log.splitlines() if "Sharing target model" in x],
+            "unknown_env_warnings": [
+                x for x in log.splitlines() if "Unknown vLLM environment variable" in x
+            ],
+            "graph_breaks": log.count("Graph break"),
+        }
+        # Printed as it comes, so a run cut short still shows it.
+        print(
+            f"[{name}] {label}: init {ready['init_s']:.1f} s, KV {ready['kv_tokens']:,} tokens "
+            f"({ready.get('kv_bytes')} B), tables {results[label]['table_bytes']:,} B, "
+            f"shared {results[label]['shared']}, "
+            f"{len(results[label]['unknown_env_warnings'])} unknown-variable warnings",
+            flush=True,
+        )
+    return engines
+
+
+def time_suite_engines(name: str, engines: dict, requests: list, reps: int, results: dict):
+    """Every request shape on every engine, warmed up, then interleaved and repeated."""
+    for label, request in requests:
+        for engine in engines.values():
+            engine.ask({**request, "warmup": True}, "timed")
+        for rep in range(reps):
+            order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+            for config, engine in order:
+                timed = engine.ask(request, "timed")
+                results[config].setdefault(label, []).append(timed["tokens_per_s"])
+        print(
+            f"[{name}] {label}: "
+            + ", ".join(f"{c} {statistics.median(results[c][label]):,.0f} tok/s" for c in engines),
+            flush=True,
+        )
+
+
+def close_all(engines: dict) -> None:
+    for engine in engines.values():
+        engine.close()
+
+
+def build_mtp_config(root: Path) -> tuple[Path, int]:
+    """A Qwen3.5-style (hybrid: linear attention, then full) config with one MTP layer, and its
+    vocabulary. No weights are written: the engines load vLLM's dummy weights."""
+    vocab, hidden = 248320, 2048
     path = root / "qwen35-mtp"
     path.mkdir(parents=True, exist_ok=True)
-    vocab = 248320
     text = dict(
         model_type="qwen3_5_text",
         vocab_size=vocab,
-        hidden_size=2048,
+        hidden_size=hidden,
         intermediate_size=6144,
         num_hidden_layers=4,
         num_attention_heads=16,
@@ -629,7 +827,7 @@ def build_mtp_model(root: Path) -> Path:
         hidden_size=256,
         intermediate_size=512,
         num_heads=4,
-        out_hidden_size=2048,
+        out_hidden_size=hidden,
         patch_size=16,
         spatial_merge_size=2,
         temporal_patch_size=2,
@@ -649,61 +847,262 @@ def build_mtp_model(root: Path) -> Path:
         vision_end_token_id=vocab - 5,
     )
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+    return path, vocab
 
 
-def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
-    path = build_mtp_model(root)
+#: Engine arguments a Qwen3.5-style checkpoint needs on the device bundle (vLLM 0.26): the
+#: text model alone (else vLLM looks for an image processor), and the Triton GDN prefill (the
+#: bundle has no FlashInfer).
+QWEN35_ENGINE_ARGS = {"language_model_only": True, "gdn_prefill_backend": "triton"}
+
+
+def measure_mtp_suite(args, root: Path, out: dict, log_dir: Path) -> None:
+    """MTP drafter (vLLM shares the target's embedding and LM head with it): BF16, int8 and
+    int4, each with MTP on. Dummy weights: acceptance means nothing here (see selfdraft)."""
+    budget = suite_budget(args)
+    path, vocab = build_mtp_config(root)
     base = dict(
         model=str(path),
-        vocab=248320 - 8,
+        vocab=vocab - 8,
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=2048,
+        max_num_seqs=64,
+        attention=args.attention,
+        load_format="dummy",
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+        engine_args=QWEN35_ENGINE_ARGS,
+    )
+    results = out.setdefault("mtp", {"shape": [vocab, 2048], "configs": {}})["configs"]
+    configs = {fmt: plugin_env(fmt) for fmt in ("off", "int8", "int4")}
+    engines = start_suite_engines("mtp", base, configs, log_dir, results)
+    try:
+        requests = [
+            ("decode_b1", {"op": "decode", "batch": 1, "tokens": budget["decode_tokens"]}),
+            ("decode_b64", {"op": "decode", "batch": 64, "tokens": budget["decode_tokens"]}),
+        ]
+        time_suite_engines("mtp", engines, requests, budget["reps"], results)
+    finally:
+        close_all(engines)
+
+
+def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
+    """Draft model = target (`draft_model`), only the drafter converted: its acceptance against
+    the BF16 target, for the drafter in BF16, int8 and int4. A tied checkpoint with
+    transformers' random init (range 0.02), so the drafter's lookup and its logits both read
+    the converted table, and greedy tokens are not ties of flat logits."""
+    spec = (
+        dict(vocab=65536, hidden=1024, layers=4, tied=True, heads=8, kv_heads=4)
+        if args.quick
+        else dict(vocab=151936, hidden=2048, layers=8, tied=True)
+    )
+    target = build_model(root, "selfdraft-quick" if args.quick else "selfdraft", spec)
+    # The same checkpoint under another name, so the allowlist converts the drafter alone.
+    draft = target.with_name(target.name + "-as-draft")
+    if not draft.exists():
+        draft.symlink_to(target.name)
+    base = dict(
+        model=str(target),
+        vocab=spec["vocab"],
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=2048,
+        max_num_seqs=64,
+        attention=args.attention,
+        speculative={"model": str(draft), "method": "draft_model", "num_speculative_tokens": 3},
+    )
+    results = out.setdefault("selfdraft", {"shape": [spec["vocab"], spec["hidden"]], "configs": {}})
+    results = results["configs"]
+    configs = {
+        fmt: {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt, "VLLM_EMBED_MODELS": draft.name}
+        for fmt in ("off", "int8", "int4")
+    }
+    engines = start_suite_engines("selfdraft", base, configs, log_dir, results)
+    try:
+        for fmt, engine in engines.items():
+            run = engine.ask({"op": "accept", "prompts": 16, "tokens": 64}, "accept")
+            results[fmt]["acceptance"] = acceptance(run["before"], run["after"])
+            results[fmt]["tokens"] = run["tokens"]
+            print(f"[selfdraft] {fmt}: acceptance {results[fmt]['acceptance']}", flush=True)
+    finally:
+        close_all(engines)
+
+
+def measure_host(args, root: Path, out: dict, log_dir: Path) -> None:
+    """The host formats inside vLLM on the GPU: start-up (with CUDA-graph capture), decode,
+    prefill and KV against BF16. The Qwen3-8B table and head (151,936 x 4,096) on 8 layers, so
+    the engines start in about a minute; dummy weights, since nothing here needs a trained
+    model (host is lossless: its greedy tokens must equal BF16's)."""
+    from transformers import Qwen3Config
+
+    budget = suite_budget(args)
+    path = root / "host-dummy"
+    if not (path / "config.json").exists():
+        Qwen3Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=16384,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ).save_pretrained(path)
+    base = dict(
+        model=str(path),
+        vocab=151936,
+        gpu_util=args.gpu_util,
+        tp=args.tensor_parallel_size,
+        max_model_len=budget["prefill"] + 512,
+        max_num_seqs=64,
+        attention=args.attention,
+        load_format="dummy",
+    )
+    results = out.setdefault("host", {"shape": [151936, 4096], "configs": {}})["configs"]
+    configs = {fmt: plugin_env(fmt) for fmt in ("off", "host", "host-int8")}
+    engines = start_suite_engines("host", base, configs, log_dir, results)
+    try:
+        for fmt, engine in engines.items():
+            results[fmt]["greedy"] = engine.ask({"op": "greedy"}, "greedy")
+        if "off" in engines and "host" in engines:
+            reference = results["off"]["greedy"]["tokens"]
+            results["host"]["greedy_equal_to_bf16"] = (
+                results["host"]["greedy"]["tokens"] == reference
+            )
+        requests = [
+            ("decode_b1", {"op": "decode", "batch": 1, "tokens": budget["decode_tokens"]}),
+            ("decode_b64", {"op": "decode", "batch": 64, "tokens": budget["decode_tokens"]}),
+            ("prefill", {"op": "prefill", "length": budget["prefill"]}),
+        ]
+        time_suite_engines("host", engines, requests, budget["reps"], results)
+    finally:
+        close_all(engines)
+
+
+def measure_eagle(args, root: Path, out: dict, log_dir: Path) -> None:
+    """An EAGLE-3 drafter with dummy weights on a dummy Qwen3 target, BF16 and int8: whether
+    vLLM shares the target's table and head with it (a drafter that loaded no embedding or head
+    of its own). Optional: reported as failed where vLLM cannot run it."""
+    from transformers import Qwen3Config
+
+    vocab, hidden = 151936, 2048
+    target = root / "eagle-target-dummy"
+    if not (target / "config.json").exists():
+        Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=6144,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=16384,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ).save_pretrained(target)
+    head = root / "eagle3-head-dummy"
+    head.mkdir(parents=True, exist_ok=True)
+    (head / "config.json").write_text(
+        json.dumps(
+            dict(
+                architectures=["LlamaForCausalLMEagle3"],
+                model_type="llama",
+                vocab_size=vocab,
+                draft_vocab_size=vocab,
+                hidden_size=hidden,
+                target_hidden_size=hidden,
+                intermediate_size=6144,
+                num_hidden_layers=1,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                max_position_embeddings=16384,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=False,
+                torch_dtype="bfloat16",
+            )
+        )
+    )
+    base = dict(
+        model=str(target),
+        vocab=vocab,
         gpu_util=args.gpu_util,
         tp=args.tensor_parallel_size,
         max_model_len=2048,
         max_num_seqs=16,
         attention=args.attention,
         load_format="dummy",
-        speculative={"method": "mtp", "num_speculative_tokens": 1},
+        speculative={"model": str(head), "method": "eagle3", "num_speculative_tokens": 3},
     )
-    results = out.setdefault("mtp", {"formats": {}})
-    for fmt in ("off", "int8"):
-        env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
-        try:
-            engine = Engine(f"mtp-{fmt}", base, env, log_dir)
-        except RuntimeError as exc:
-            results["formats"][fmt] = {
-                "error": str(exc),
-                "log_tail": (log_dir / f"mtp-{fmt}.log").read_text()[-4000:],
-            }
+    results = out.setdefault("eagle", {"shape": [vocab, hidden], "configs": {}})["configs"]
+    engines = start_suite_engines(
+        "eagle", base, {fmt: plugin_env(fmt) for fmt in ("off", "int8")}, log_dir, results
+    )
+    close_all(engines)
+
+
+def suite_table(name: str, suite: dict) -> list[str]:
+    """A compact Markdown table of one of the mtp, selfdraft and host suites."""
+    configs = suite["configs"]
+    off = configs.get("off", {})
+    lines = [
+        f"## {name} {suite['shape'][0]:,} x {suite['shape'][1]:,}",
+        "",
+        "| config | start-up s | tables B | KV B gained / table B freed | shared emb / head "
+        "| acceptance | decode b1 (vs off) | decode b64 (vs off) | prefill (vs off) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, r in configs.items():
+        if "error" in r:
+            lines.append(f"| {config} | failed: {r['error'][:160]} |")
             continue
-        try:
-            greedy = engine.ask({"op": "greedy"}, "greedy")
-            draft = engine.ready["workers"][0]["draft"] or {}
-            target = engine.ready["workers"][0]["target"]
-            results["formats"][fmt] = {
-                "init_s": engine.ready["init_s"],
-                "kv_tokens": engine.ready["kv_tokens"],
-                "target_tables": target["tables"],
-                "draft_tables": draft.get("tables"),
-                "draft_float_vocab_tables": draft.get("float_vocab_tables"),
-                "shared_table": _shares_table(target, draft),
-                "greedy": greedy,
-                "spec": greedy["spec"],
-                "log_share_lines": [
-                    x for x in engine.log_text().splitlines() if "MTP" in x and "Sharing" in x
-                ],
-            }
-        finally:
-            engine.close()
-
-
-def _shares_table(target: dict, draft: dict) -> bool | None:
-    """True when the drafter's embedding is the target's very tensor (same digest and name)."""
-    drafts = [t for t in (draft.get("tables") or []) if t["kind"] == "embedding"]
-    targets = [t for t in target["tables"] if t["kind"] == "embedding"]
-    if not drafts or not targets:
-        return None
-    return drafts[0]["digests"] == targets[0]["digests"]
+        gain = kv_gain(off, r) if off and "error" not in off else None
+        shared = r.get("shared") or {}
+        accept = r.get("acceptance") or {}
+        cells = [
+            config,
+            f"{r['init_s']:.1f}",
+            f"{r['table_bytes']:,}",
+            "-" if gain is None else f"{gain:.1%}",
+            f"{shared.get('embedding')} / {shared.get('lm_head')}" if shared else "-",
+            f"{accept['accepted_tokens']}/{accept['draft_tokens']} = {accept['rate']:.1%}"
+            if accept.get("rate") is not None
+            else "-",
+        ]
+        for label in ("decode_b1", "decode_b64", "prefill"):
+            values, reference = r.get(label), off.get(label)
+            if not values:
+                cells.append("-")
+                continue
+            med = statistics.median(values)
+            ratio = f" ({med / statistics.median(reference):.3f})" if reference else ""
+            cells.append(f"{med:,.0f}{ratio}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for config, r in configs.items():
+        if "error" in r:
+            continue
+        # What converting a drafter table costs (issue 26): its time, and vLLM's own figure
+        # for the memory the loaded models (target and drafter) hold.
+        drafts = [x for x in r.get("conversion_log", []) if x.startswith("draft")]
+        lines.append(
+            f"- {config}: vLLM's model loading took {r.get('model_loading_gib')} GiB"
+            + (f"; drafter: {'; '.join(drafts)}" if drafts else "")
+            + (
+                f"; {len(r['share_log'])} 'Sharing target model' lines"
+                if r.get("share_log")
+                else ""
+            )
+        )
+    unknown = sum(len(r.get("unknown_env_warnings") or []) for r in configs.values())
+    lines += ["", f"Unknown-variable warnings in these engines' logs: {unknown}.", ""]
+    return lines
 
 
 def summarize(out: dict) -> str:
@@ -751,7 +1150,10 @@ def summarize(out: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += profile_lines(model)
-    for name in ("draft_model", "mtp"):
+    for name in NEW_SUITES:
+        if name in out:
+            lines += suite_table(name, out[name])
+    for name in ("draft_model",):
         if name in out:
             lines += [
                 f"## {name}",
@@ -814,12 +1216,26 @@ def _strip(value):
     return value
 
 
+#: --suite name -> function(args, specs, models root, results, log folder).
+NEW_SUITES = {
+    "mtp": lambda args, specs, root, out, logs: measure_mtp_suite(args, root, out, logs),
+    "selfdraft": measure_selfdraft,
+    "host": lambda args, specs, root, out, logs: measure_host(args, root, out, logs),
+    "eagle": lambda args, specs, root, out, logs: measure_eagle(args, root, out, logs),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--suite", choices=["main", "spec", "all"], default="main")
+    parser.add_argument(
+        "--suite",
+        choices=["main", "spec", "all", *NEW_SUITES],
+        default="main",
+        help="all = main + spec; mtp, selfdraft, host and eagle run alone",
+    )
     parser.add_argument(
         "--only", default="", help="comma-separated models of the main suite (untied, tied)"
     )
@@ -834,7 +1250,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")
     parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes: checks the script, measures nothing"
+        "--quick",
+        action="store_true",
+        help="main, spec: tiny shapes, checks the script, measures nothing; mtp, selfdraft, "
+        "host: their shapes, fewer repeats and CUDA-graph sizes (about 8 minutes each)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
@@ -862,7 +1281,7 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     root = Path(args.models)
     specs = model_specs(args.quick)
-    if args.quick:
+    if args.quick and args.suite not in NEW_SUITES:
         args.prefill = min(args.prefill, 1024)
         args.reps = min(args.reps, 2)
         args.decode_tokens = min(args.decode_tokens, 16)
@@ -910,6 +1329,11 @@ def main() -> int:
             measure_spec(args, specs, root, out, log_dir)
         except Exception as exc:  # noqa: BLE001
             failures.append(f"spec: {exc}")
+    if args.suite in NEW_SUITES:
+        try:
+            NEW_SUITES[args.suite](args, specs, root, out, log_dir)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"{args.suite}: {exc}")
     out["failures"] = failures
     result_path.write_text(json.dumps(out))
     summary = summarize(out)

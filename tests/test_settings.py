@@ -188,3 +188,30 @@ def test_yaml_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
         EmbedSettingsError, match=r"needs PyYAML \(pip install 'vllm-embed-plugin\[yaml\]'\)"
     ):
         load_settings()
+
+
+def test_vllm_knows_the_plugin_variables_once_registered(monkeypatch):
+    """vLLM's own check of VLLM_* variables (the one that logs "Unknown vLLM environment
+    variable detected") passes for the plugin's variables once register() has run."""
+    import os
+
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    import vllm_embed_plugin
+
+    # vLLM 0.32 checks on the platform, 0.26 in vllm.envs; both read this table.
+    validate = getattr(current_platform, "validate_environ", None) or envs.validate_environ
+    monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
+    for key in list(os.environ):
+        if key.startswith("VLLM_") and key not in envs.environment_variables:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("VLLM_EMBED_FORMAT", "off")
+    monkeypatch.setenv("VLLM_EMBED_MODELS", "some-model")
+    with pytest.raises(ValueError, match="Unknown vLLM environment variable detected: VLLM_EMBED"):
+        validate(hard_fail=True)
+    vllm_embed_plugin.register()
+    vllm_embed_plugin.register()  # again, as vLLM may: harmless
+    validate(hard_fail=True)
+    assert envs.environment_variables["VLLM_EMBED_MODELS"]() == "some-model"
+    assert "VLLM_EMBED_NO_TRITON" in envs.environment_variables

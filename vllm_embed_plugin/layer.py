@@ -90,6 +90,12 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         name = _tied_fallback(decision, where)
         if name == "off":
             return None
+    if role == "draft" and replaced_by_target(vllm_config):
+        log_once(
+            f"{where}: vLLM swaps in the target's table for this MTP drafter's after loading; "
+            "this copy is converted anyway, since vLLM 0.26 swaps only a table of the target's "
+            "width, and is freed at the swap"
+        )
     label = where + (" (tied LM head)" if tied else "")
     column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
     fmt = make_format(name, decision.group_size, weighted=column_importance is not None)
@@ -201,6 +207,19 @@ def _tied_fallback(decision, where: str) -> str:
         f"{where}: LM head is tied, so {decision.format!r} falls back to {decision.tied_fallback!r}"
     )
     return decision.tied_fallback
+
+
+def replaced_by_target(vllm_config) -> bool:
+    """Whether vLLM will replace the drafter's embedding with the target's once both are loaded:
+    an MTP drafter without pipeline parallelism (vLLM 0.26 and 0.32,
+    `SpecDecodeBaseProposer._maybe_share_embeddings` and the V2 runner's `load_eagle_model`).
+    An EAGLE drafter's fate is decided only after loading, by its checkpoint's contents."""
+    spec = vllm_config.speculative_config
+    return (
+        spec is not None
+        and spec.method == "mtp"
+        and vllm_config.parallel_config.pipeline_parallel_size == 1
+    )
 
 
 def _owning_model(vllm_config):

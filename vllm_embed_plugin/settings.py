@@ -251,8 +251,13 @@ def _describe(error: dict, config: str | None) -> str:
     return f"{name}={error['input']!r}: {error['msg']}"
 
 
+def env_names() -> set[str]:
+    """Every environment variable the plugin reads."""
+    return {ENV_PREFIX + field.upper() for field in EmbedSettings.model_fields} | OTHER_ENV
+
+
 def _check_unknown_env() -> None:
-    known = {ENV_PREFIX + field.upper() for field in EmbedSettings.model_fields} | OTHER_ENV
+    known = env_names()
     unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
     if unknown:
         raise EmbedSettingsError(

@@ -43,6 +43,12 @@ def embedding_report(model: torch.nn.Module) -> dict:
                 "on_host": hasattr(module, "host_tensors"),
                 "tensors": {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
                 "digests": {n: digest(t) for n, t in tensors.items()},
+                # Where each tensor's memory starts, and its size: two tables with the same
+                # storages are one table (a drafter sharing the target's), not equal copies.
+                "storages": {
+                    n: [t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()]
+                    for n, t in tensors.items()
+                },
             }
         )
         vocab_shapes.add((module.num_embeddings_per_partition, module.embedding_dim))
@@ -74,7 +80,8 @@ def worker_report(worker) -> dict:
     """`embedding_report` of the target and, if any, the speculative-decoding draft, for
     `LLM.collective_rpc` (one entry per worker, so per tensor-parallel rank)."""
     runner = worker.model_runner
-    drafter = getattr(runner, "drafter", None)
+    # vLLM's V1 model runner holds the drafter as `drafter`, its V2 runner as `speculator`.
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     draft_model = getattr(drafter, "model", None)
     return {
         "rank": getattr(worker, "rank", 0),

@@ -1,0 +1,100 @@
+"""The pure helpers of bench/gpu_e2e.py's mtp, selfdraft and host suites (the suites
+themselves need a GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_e2e", Path(__file__).resolve().parents[1] / "bench" / "gpu_e2e.py"
+)
+gpu_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_e2e)
+
+
+def table(kind, **storages):
+    return {"kind": kind, "storages": {n: list(s) for n, s in storages.items()}}
+
+
+def test_shared_by_identity_wants_the_same_storage_not_equal_bytes():
+    target = [
+        table("embedding", weight=(1000, 64), weight_scales=(2000, 8)),
+        table("lm_head", weight=(3000, 128)),
+    ]
+    shared = [table("embedding", weight=(1000, 64), weight_scales=(2000, 8))]
+    assert gpu_e2e.shared_by_identity(target, shared) == {"embedding": True, "lm_head": None}
+    # Same sizes (as a copy with equal bytes would have), other memory: not shared.
+    copy = [
+        table("embedding", weight=(5000, 64), weight_scales=(2000, 8)),
+        table("lm_head", weight=(3000, 128)),
+    ]
+    assert gpu_e2e.shared_by_identity(target, copy) == {"embedding": False, "lm_head": True}
+
+
+def test_unique_table_bytes_counts_a_shared_storage_once_and_host_tables_never():
+    ready = {
+        "workers": [
+            {
+                "target": {
+                    "tables": [
+                        table("embedding", weight=(1000, 64), weight_scales=(2000, 8)),
+                        table("lm_head", weight=(3000, 128)),
+                    ]
+                },
+                "draft": {
+                    "tables": [
+                        table("embedding", weight=(1000, 64), weight_scales=(2000, 8)),
+                        table("lm_head", weight=(4000, 128)),
+                    ]
+                },
+            }
+        ]
+    }
+    assert gpu_e2e.unique_table_bytes(ready) == 64 + 8 + 128 + 128
+    ready["workers"][0]["target"]["tables"][1]["on_host"] = True
+    ready["workers"][0]["draft"] = None
+    assert gpu_e2e.unique_table_bytes(ready) == 64 + 8
+
+
+def test_acceptance_is_the_difference_of_two_counter_readings():
+    before = {
+        "num_draft_tokens": 30,
+        "num_accepted_tokens": 20,
+        "num_accepted_tokens_per_pos": [9, 7, 4],
+    }
+    after = {
+        "num_draft_tokens": 330,
+        "num_accepted_tokens": 260,
+        "num_accepted_tokens_per_pos": [99, 90, 71],
+    }
+    got = gpu_e2e.acceptance(before, after)
+    assert got["draft_tokens"] == 300 and got["accepted_tokens"] == 240
+    assert got["rate"] == pytest.approx(0.8)
+    assert got["accepted_per_position"] == [90, 83, 67]
+    assert gpu_e2e.acceptance({}, {})["rate"] is None
+
+
+def test_kv_gain_and_the_summary_table():
+    off = {"init_s": 50.0, "table_bytes": 3000, "kv_bytes": 10_000, "decode_b1": [100.0, 110.0]}
+    int8 = {
+        "init_s": 51.0,
+        "table_bytes": 2000,
+        "kv_bytes": 10_990,
+        "decode_b1": [104.5, 105.5],
+        "shared": {"embedding": True, "lm_head": True},
+        "acceptance": {"accepted_tokens": 94, "draft_tokens": 99, "rate": 94 / 99},
+        "unknown_env_warnings": [],
+    }
+    assert gpu_e2e.kv_gain(off, int8) == pytest.approx(0.99)
+    assert gpu_e2e.kv_gain(off, off) is None
+    failed = {"error": "mtp-int4: engine exited (rc=1)"}
+    lines = gpu_e2e.suite_table(
+        "mtp", {"shape": [248320, 2048], "configs": {"off": off, "int8": int8, "int4": failed}}
+    )
+    text = "\n".join(lines)
+    assert "## mtp 248,320 x 2,048" in text
+    row = next(x for x in lines if x.startswith("| int8 |"))
+    assert "99.0%" in row and "True / True" in row and "94/99 = 94.9%" in row
+    assert "105 (1.000)" in row
+    assert "| int4 | failed: mtp-int4: engine exited (rc=1) |" in lines
