@@ -64,6 +64,44 @@ def test_int8_converts_untied_embedding_inside_worker(runs, models):
     assert greedy_close(off.result, run.result) == []
 
 
+def test_untied_head_converted_alone_and_beside_the_embedding(runs, models):
+    """head_format alone, then with format: the head is converted inside the worker, its
+    bytes halve, the KV cache grows with what both tables free, and outputs stay BF16's."""
+    off = runs("off", {}, "--model", str(models["target"]))
+    embedding_only = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    head_only = runs(
+        "head-int8", {"VLLM_EMBED_HEAD_FORMAT": "int8"}, "--model", str(models["target"])
+    )
+    both = runs(
+        "both-int8",
+        {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_HEAD_FORMAT": "int8"},
+        "--model",
+        str(models["target"]),
+    )
+    bf16_head = off.tables()["lm_head"]
+    for run in (head_only, both):
+        head = run.tables()["lm_head"]
+        assert head["class"] == "CompactParallelLMHead"
+        assert head["method"] == "CompactEmbeddingMethod"
+        assert head["label"] == "target LM head lm_head"
+        assert head["tensors"]["weight"][1] == "torch.uint8"
+        assert head["bytes"] <= 0.52 * bf16_head["bytes"]
+        assert "lm_head.weight" not in run.result["workers"][0]["target"]["float_vocab_tables"]
+        assert "target LM head lm_head: 131072 x 1024 table -> int8" in run.log
+        assert greedy_close(off.result, run.result) == []
+    # Each setting alone touches only its table.
+    assert head_only.embedding()["tensors"]["weight"][1] == "torch.bfloat16"
+    assert both.embedding()["tensors"]["weight"][1] == "torch.uint8"
+    assert both.embedding()["label"] == "target embedding model.embed_tokens"
+    # The CPU backend sizes the KV cache from the memory left after loading: each table freed
+    # adds to it.
+    kv = {
+        n: r.result["kv_cache_tokens"]
+        for n, r in [("off", off), ("head", head_only), ("emb", embedding_only), ("both", both)]
+    }
+    assert kv["off"] < kv["head"] < kv["both"] and kv["emb"] < kv["both"], kv
+
+
 def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     off = runs("off", {}, "--model", str(models["target"]))
     run = runs(
