@@ -4,6 +4,8 @@ graphs on, no enforce_eager -- plugin off and on, in the same run.
 
     python bench/gpu_e2e.py --suite main --out OUT          # untied + tied models, throughput
     python bench/gpu_e2e.py --suite spec --out OUT          # draft model and MTP drafter
+    python bench/gpu_e2e.py --suite main --only untied --formats off,int8,int8+head=int8
+    python bench/gpu_e2e.py --suite spec --mtp-head-format int8   # MTP drafter, head on too
     python bench/gpu_e2e.py --suite main --quick            # tiny shapes, about 8 minutes
     python bench/gpu_e2e.py ... --tensor-parallel-size 2    # every engine on 2 GPUs
 
@@ -344,14 +346,23 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
     return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
 
 
+def split_head_format(config: str) -> tuple[str, dict[str, str]]:
+    """'int8+head=int5' -> ('int8', {VLLM_EMBED_HEAD_FORMAT: int5}): a configuration whose
+    untied LM head has its own format (issue 25); any other configuration as it is."""
+    config, _, head_format = config.partition("+head=")
+    return config, ({"VLLM_EMBED_HEAD_FORMAT": head_format} if head_format else {})
+
+
 def plugin_env(config: str) -> dict[str, str]:
     """The plugin's settings for one configuration: 'off', a format, or 'format/head kernel'
-    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete)."""
+    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete), each
+    optionally with '+head=FORMAT' for an untied head ('off+head=int8': the head alone)."""
+    config, head_env = split_head_format(config)
     fmt, _, head = config.partition("/")
     env = {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt}
     if head:
         env["VLLM_EMBED_HEAD_KERNEL"] = head
-    return env
+    return {**env, **head_env}
 
 
 def measure_model(
@@ -563,8 +574,8 @@ def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
         speculative={"method": "mtp", "num_speculative_tokens": 1},
     )
     results = out.setdefault("mtp", {"formats": {}})
-    for fmt in ("off", "int8"):
-        env = {"VLLM_EMBED_FORMAT": fmt} if fmt != "off" else {}
+    for fmt in ("off", "int8", *mtp_head_configs(args)):
+        env = plugin_env(fmt)
         try:
             engine = Engine(f"mtp-{fmt}", base, env, log_dir)
         except RuntimeError as exc:
@@ -584,6 +595,7 @@ def measure_mtp(args, root: Path, out: dict, log_dir: Path) -> None:
                 "draft_tables": draft.get("tables"),
                 "draft_float_vocab_tables": draft.get("float_vocab_tables"),
                 "shared_table": _shares_table(target, draft),
+                **shared_head(target, draft),
                 "greedy": greedy,
                 "spec": greedy["spec"],
                 "log_share_lines": [
@@ -601,6 +613,27 @@ def _shares_table(target: dict, draft: dict) -> bool | None:
     if not drafts or not targets:
         return None
     return drafts[0]["digests"] == targets[0]["digests"]
+
+
+def mtp_head_configs(args) -> tuple[str, ...]:
+    """The MTP engine's extra configurations for `--mtp-head-format` ('int8+head=FORMAT')."""
+    return (f"int8+head={args.mtp_head_format}",) if args.mtp_head_format else ()
+
+
+def shared_head(target: dict, draft: dict) -> dict:
+    """Whether the drafter computes its logits with the target's LM head itself (the same
+    storage, not a copy), and how that head is stored."""
+    heads = [t for t in (draft.get("tables") or []) if t["kind"] == "lm_head"]
+    target_heads = [t for t in target["tables"] if t["kind"] == "lm_head"]
+    if not heads or not target_heads:
+        return {"shared_head": None}
+    ptrs = target_heads[0].get("data_ptrs") or {}
+    return {
+        "shared_head": all(h.get("data_ptrs") == ptrs for h in heads) and bool(ptrs),
+        "head_method": target_heads[0]["method"],
+        "head_dtype": target_heads[0]["tensors"]["weight"][1],
+        "draft_head_names": [h["name"] for h in heads],
+    }
 
 
 def summarize(out: dict) -> str:
@@ -683,12 +716,21 @@ def main() -> int:
         "--only", default="", help="comma-separated models of the main suite (untied, tied)"
     )
     parser.add_argument(
-        "--formats", default="off,int8,int4,host", help="formats for the untied model"
+        "--formats",
+        default="off,int8,int4,host",
+        help="formats for the untied model; 'FMT+head=HFMT' also converts its LM head "
+        "(e.g. int8+head=int8, off+head=int8)",
     )
     parser.add_argument(
         "--tied-formats",
         default="off,int8/plugin,int8/machete,int4",
         help="'format/kernel' also sets VLLM_EMBED_HEAD_KERNEL",
+    )
+    parser.add_argument(
+        "--mtp-head-format",
+        default="",
+        help="also run the MTP model with int8 and its untied head in this format "
+        "(head_format); '' = not",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")

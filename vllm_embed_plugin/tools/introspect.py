@@ -45,6 +45,8 @@ def embedding_report(model: torch.nn.Module) -> dict:
                 "on_host": hasattr(module, "host_tensors"),
                 "tensors": {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
                 "digests": {n: digest(t) for n, t in tensors.items()},
+                # Equal across two modules: the very same storage (a drafter's shared head).
+                "data_ptrs": {n: t.data_ptr() for n, t in tensors.items()},
             }
         )
         vocab_shapes.add((module.num_embeddings_per_partition, module.embedding_dim))
