@@ -141,23 +141,25 @@ def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expec
 
 
 def test_tensor_parallel_each_rank_converts_its_own_shard(runs, models):
-    single = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    both = {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_HEAD_FORMAT": "int8"}
+    single = runs("both-int8", both, "--model", str(models["target"]))
     # Two CPU workers on a one-NUMA-node machine need their cores named.
     run = runs(
         "tp2",
-        {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        {**both, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         "--model",
         str(models["target"]),
         "--tp",
         "2",
     )
-    full = single.embedding()
-    for rank in (0, 1):
-        shard = run.embedding(rank=rank)
-        assert shard["method"] == "CompactEmbeddingMethod"
-        assert shard["rows"] == full["rows"] // 2
-        assert shard["bytes"] * 2 == pytest.approx(full["bytes"], rel=1e-3)
-    assert run.log.count("65536 x 1024 table -> int8") == 2
+    for name in ("model.embed_tokens", "lm_head"):  # both vocab-parallel
+        full = single.tables()[name]
+        for rank in (0, 1):
+            shard = run.tables(rank=rank)[name]
+            assert shard["method"] == "CompactEmbeddingMethod"
+            assert shard["rows"] == full["rows"] // 2
+            assert shard["bytes"] * 2 == pytest.approx(full["bytes"], rel=1e-3)
+    assert run.log.count("65536 x 1024 table -> int8") == 4
     assert greedy_close(single.result, run.result) == []
 
 
