@@ -208,17 +208,20 @@ def test_importance_file_of_another_model_stops_startup(tmp_path, models):
 def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
     """vLLM's torch.compile on, its compile cache on and shared: BF16, then int8, then int4,
     then int8 again. Each setting compiles its own graph (the plugin's formats are part of
-    vLLM's cache key); the repeated int8 start loads its own, so the key is stable."""
+    vLLM's cache key); the repeated int8 start loads its own, so the key is stable. The repeat
+    also sets head_format, which a tied model does not use: it says so, and the graph is
+    int8's."""
     import re
 
     model = write_checkpoint(tmp_path / "tied-model", tied=True)
     cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "0"}
     dirs = {}
     for name, fmt in [("off", "off"), ("int8", "int8"), ("int4", "int4"), ("int8-again", "int8")]:
+        head = {"VLLM_EMBED_HEAD_FORMAT": "int4"} if name == "int8-again" else {}
         run = run_engine(
             tmp_path,
             name,
-            {**cache, "VLLM_EMBED_FORMAT": fmt},
+            {**cache, "VLLM_EMBED_FORMAT": fmt, **head},
             "--model",
             str(model),
             "--compile",
@@ -234,6 +237,11 @@ def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
             r"(?:Directly load AOT compilation from path|load failure from) ([^\s,]+)", run.log
         )
         dirs[name] = (saved, loaded)
+        if head:
+            assert (
+                "target LM head lm_head: tied to the embedding, so it is the embedding's table "
+                "and follows format='int8'; head_format='int4' is not used" in run.log
+            )
     assert dirs["off"][0] and dirs["int8"][0] and dirs["int4"][0], dirs
     assert not (dirs["off"][1] or dirs["int8"][1] or dirs["int4"][1]), dirs
     assert len({dirs[n][0][0] for n in ("off", "int8", "int4")}) == 3, dirs
