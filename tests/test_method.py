@@ -221,3 +221,50 @@ def test_untied_head_converts_like_the_embedding_and_computes_biased_logits():
     assert (hidden @ table.T - exact).square().mean() < 0.8 * (
         hidden @ plain.T - exact
     ).square().mean()
+
+
+@pytest.mark.parametrize(
+    "role, tag, tied, converted",
+    [
+        ("target", "backbone", False, True),
+        ("draft", "draft_model", False, True),  # a separate draft model owns its head
+        ("draft", "eagle_head", False, False),  # vLLM swaps it for the target's head
+        ("target", "backbone", True, False),  # tied: the embedding's table decides
+    ],
+)
+def test_which_heads_head_format_converts(monkeypatch, caplog, role, tag, tied, converted):
+    """The head's decision by role: the target's and a separate draft model's untied heads are
+    converted; an EAGLE/MTP drafter's own head is not (vLLM replaces it with the target's,
+    converted, head); a tied head is left to its embedding, with a log line."""
+    import logging
+    import types
+
+    from vllm.compilation import backends
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_embed_plugin import layer as layer_module
+    from vllm_embed_plugin.log import _said
+    from vllm_embed_plugin.settings import Decision
+
+    decision = Decision("m", "int8", None, "default format", head_format="int4")
+    config = types.SimpleNamespace(additional_config={})
+    where = f"{role} LM head lm_head"
+    table = layer_module._Table(config, role, decision, tied, where)
+    monkeypatch.setattr(layer_module, "_vocabulary_table", lambda layer, kind: table)
+    monkeypatch.setattr(backends, "model_tag", tag)
+    _said.clear()
+    head = types.SimpleNamespace(
+        quant_method=UnquantizedEmbeddingMethod(), embedding_dim=256, params_dtype=torch.bfloat16
+    )
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method = layer_module.choose_head_method(head)
+    assert (method is not None) == converted
+    if converted:
+        assert method.role == "lm_head" and method.fmt.name == "int4" and method.label == where
+        assert config.additional_config["vllm_embed_plugin"][where]["format"] == method.fmt_key
+        method.cancel()
+    logs = " ".join(r.getMessage() for r in caplog.records)
+    if tied:
+        assert "follows format='int8'; head_format='int4' is not used" in logs
+    if tag == "eagle_head":
+        assert "left as vLLM builds it" in logs
