@@ -106,7 +106,11 @@ def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     off = runs("off", {}, "--model", str(models["target"]))
     run = runs(
         "draft",
-        {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_MODELS": "draft-*"},
+        {
+            "VLLM_EMBED_FORMAT": "int8",
+            "VLLM_EMBED_HEAD_FORMAT": "int8",
+            "VLLM_EMBED_MODELS": "draft-*",
+        },
         "--model",
         str(models["target"]),
         "--draft",
@@ -116,9 +120,14 @@ def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     assert target["method"] == "UnquantizedEmbeddingMethod"
     assert target["tensors"]["weight"][1] == "torch.bfloat16"
     assert "target model" in run.log and "not in allowlist, untouched" in run.log
+    assert run.tables("target")["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
     draft = run.embedding("draft")
     assert draft["method"] == "CompactEmbeddingMethod"
     assert draft["tensors"]["weight"][1] == "torch.uint8"
+    # A separate draft model owns its untied head: head_format converts it.
+    head = next(t for t in run.tables("draft").values() if t["kind"] == "lm_head")
+    assert head["method"] == "CompactEmbeddingMethod" and head["label"].startswith("draft LM head")
+    assert head["tensors"]["weight"][1] == "torch.uint8"
     # Speculative decoding is lossless: a quantized draft cannot change greedy output.
     assert run.result["tokens"] == off.result["tokens"]
 
