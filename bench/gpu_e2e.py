@@ -8,6 +8,8 @@ graphs on, no enforce_eager -- plugin off and on, in the same run.
     python bench/gpu_e2e.py --suite selfdraft --quick       # draft = target: acceptance
     python bench/gpu_e2e.py --suite host --quick            # host formats under CUDA graphs
     python bench/gpu_e2e.py --suite eagle                   # EAGLE-3 dummy head (optional)
+    python bench/gpu_e2e.py --suite mtp --quick --mtp-head-format int8   # ... head on too
+    python bench/gpu_e2e.py --suite main --only untied --formats off,int8,int8+head=int8
     python bench/gpu_e2e.py --suite main --quick            # tiny shapes, about 8 minutes
     python bench/gpu_e2e.py ... --tensor-parallel-size 2    # every engine on 2 GPUs
 
@@ -382,11 +384,20 @@ def table_gpu_bytes(ready: dict, model: str = "target") -> int:
     return report["vocab_bytes"] - sum(t["bytes"] for t in report["tables"] if t.get("on_host"))
 
 
+def split_head_format(config: str) -> tuple[str, dict[str, str]]:
+    """'int8+head=int5' -> ('int8', {VLLM_EMBED_HEAD_FORMAT: int5}): a configuration whose
+    untied LM head has its own format (issue 25); any other configuration as it is."""
+    config, _, head_format = config.partition("+head=")
+    return config, ({"VLLM_EMBED_HEAD_FORMAT": head_format} if head_format else {})
+
+
 def plugin_env(config: str) -> dict[str, str]:
     """The plugin's settings for one configuration: 'off', a format, or 'format/head kernel'
-    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete); a
-    trailing '@nographs' launches the head through its op, without the head's CUDA graphs
-    (the path before them)."""
+    (e.g. 'int8/plugin': int8 with the tied head on the plugin's kernels, not Machete), each
+    optionally with '+head=FORMAT' for an untied head ('off+head=int8': the head alone); a
+    trailing '@nographs' (before any '+head=') launches the head through its op, without the
+    head's CUDA graphs (the path before them)."""
+    config, head_env = split_head_format(config)
     config, _, variant = config.partition("@")
     fmt, _, head = config.partition("/")
     env = {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt}
@@ -396,7 +407,7 @@ def plugin_env(config: str) -> dict[str, str]:
         env["VLLM_EMBED_NO_HEAD_GRAPHS"] = "1"
     elif variant:
         raise SystemExit(f"unknown variant {variant!r} in {config!r}@{variant}: only 'nographs'")
-    return env
+    return {**env, **head_env}
 
 
 def measure_model(
@@ -874,7 +885,7 @@ def measure_mtp_suite(args, root: Path, out: dict, log_dir: Path) -> None:
         engine_args=QWEN35_ENGINE_ARGS,
     )
     results = out.setdefault("mtp", {"shape": [vocab, 2048], "configs": {}})["configs"]
-    configs = {fmt: plugin_env(fmt) for fmt in ("off", "int8", "int4")}
+    configs = {fmt: plugin_env(fmt) for fmt in ("off", "int8", "int4", *mtp_head_configs(args))}
     engines = start_suite_engines("mtp", base, configs, log_dir, results)
     try:
         requests = [
@@ -1105,6 +1116,11 @@ def suite_table(name: str, suite: dict) -> list[str]:
     return lines
 
 
+def mtp_head_configs(args) -> tuple[str, ...]:
+    """The MTP engine's extra configurations for `--mtp-head-format` ('int8+head=FORMAT')."""
+    return (f"int8+head={args.mtp_head_format}",) if args.mtp_head_format else ()
+
+
 def summarize(out: dict) -> str:
     lines = [
         "# GPU end-to-end run",
@@ -1240,12 +1256,21 @@ def main() -> int:
         "--only", default="", help="comma-separated models of the main suite (untied, tied)"
     )
     parser.add_argument(
-        "--formats", default="off,int8,int4,host", help="formats for the untied model"
+        "--formats",
+        default="off,int8,int4,host",
+        help="formats for the untied model; 'FMT+head=HFMT' also converts its LM head "
+        "(e.g. int8+head=int8, off+head=int8)",
     )
     parser.add_argument(
         "--tied-formats",
         default="off,int8/plugin,int8/machete,int4",
         help="'format/kernel' also sets VLLM_EMBED_HEAD_KERNEL",
+    )
+    parser.add_argument(
+        "--mtp-head-format",
+        default="",
+        help="also run the MTP model with int8 and its untied head in this format "
+        "(head_format); '' = not",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")

@@ -16,6 +16,17 @@ def test_check_prints_decisions_with_the_plugins_settings(monkeypatch, capsys):
     assert "model 'meta/llama': not in allowlist, untouched" in out
 
 
+def test_check_reports_the_head_by_role(tmp_path, monkeypatch, capsys):
+    untied = write_checkpoint(tmp_path / "untied", vocab=4096, hidden=128, layers=1)
+    tied = write_checkpoint(tmp_path / "tied", vocab=4096, hidden=128, layers=1, tied=True)
+    monkeypatch.setenv("VLLM_EMBED_HEAD_FORMAT", "int5")
+    assert main(["check", str(untied), str(tied)]) == 0
+    out = capsys.readouterr().out
+    assert f"model '{untied}': embedding off, untied LM head int5 (default format)" in out
+    assert "  LM head: untied, converted to 'int5' (head_format)" in out
+    assert "  LM head: tied to the embedding, so it follows format='off'" in out
+
+
 def test_check_reports_bad_settings_and_fails(monkeypatch, capsys):
     monkeypatch.setenv("VLLM_EMBED_FORMAT", "int3")
     assert main(["check"]) == 2
@@ -41,6 +52,9 @@ def test_plan_uses_the_models_kv_layout(tmp_path, capsys):
     freed = 151936 * 4096 * 2 - make_format("int8").nbytes(151936, 4096)
     line = next(x for x in out.splitlines() if x.startswith("int8 "))
     assert f"{freed // kv_per_token:,}" in line
+    # Untied: with head_format the head's bytes count too.
+    both = next(x for x in out.splitlines() if x.startswith("int8+head "))
+    assert f"{2 * freed // kv_per_token:,}" in both and f"{2 * freed / (1 << 30):.3f}" in both
     # No GPU here, no --gpu-memory-gib: the share is of a 24 GiB card, and it says so.
     assert "GPU memory: 24.0 GiB (no GPU here: a 24 GiB card; set --gpu-memory-gib)" in out
     assert f"{100 * freed / (24 << 30):.1f}%" in line

@@ -64,10 +64,11 @@ def test_int8_converts_untied_embedding_inside_worker(runs, models):
     assert greedy_close(off.result, run.result) == []
 
 
-#: Two of the plugin's variables, and one that nobody reads (vLLM's unknown-variable check
+#: Three of the plugin's variables, and one that nobody reads (vLLM's unknown-variable check
 #: must still name that one in the same log).
 DRAFT_ENV = {
     "VLLM_EMBED_FORMAT": "int8",
+    "VLLM_EMBED_HEAD_FORMAT": "int8",
     "VLLM_EMBED_MODELS": "draft-*",
     "VLLM_READ_BY_NOBODY": "1",
 }
@@ -78,6 +79,44 @@ def draft_run(runs, models):
     return runs("draft", DRAFT_ENV, "--model", target, "--draft", draft)
 
 
+def test_untied_head_converted_alone_and_beside_the_embedding(runs, models):
+    """head_format alone, then with format: the head is converted inside the worker, its
+    bytes halve, the KV cache grows with what both tables free, and outputs stay BF16's."""
+    off = runs("off", {}, "--model", str(models["target"]))
+    embedding_only = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    head_only = runs(
+        "head-int8", {"VLLM_EMBED_HEAD_FORMAT": "int8"}, "--model", str(models["target"])
+    )
+    both = runs(
+        "both-int8",
+        {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_HEAD_FORMAT": "int8"},
+        "--model",
+        str(models["target"]),
+    )
+    bf16_head = off.tables()["lm_head"]
+    for run in (head_only, both):
+        head = run.tables()["lm_head"]
+        assert head["class"] == "CompactParallelLMHead"
+        assert head["method"] == "CompactEmbeddingMethod"
+        assert head["label"] == "target LM head lm_head"
+        assert head["tensors"]["weight"][1] == "torch.uint8"
+        assert head["bytes"] <= 0.52 * bf16_head["bytes"]
+        assert "lm_head.weight" not in run.result["workers"][0]["target"]["float_vocab_tables"]
+        assert "target LM head lm_head: 131072 x 1024 table -> int8" in run.log
+        assert greedy_close(off.result, run.result) == []
+    # Each setting alone touches only its table.
+    assert head_only.embedding()["tensors"]["weight"][1] == "torch.bfloat16"
+    assert both.embedding()["tensors"]["weight"][1] == "torch.uint8"
+    assert both.embedding()["label"] == "target embedding model.embed_tokens"
+    # The CPU backend sizes the KV cache from the memory left after loading: each table freed
+    # adds to it.
+    kv = {
+        n: r.result["kv_cache_tokens"]
+        for n, r in [("off", off), ("head", head_only), ("emb", embedding_only), ("both", both)]
+    }
+    assert kv["off"] < kv["head"] < kv["both"] and kv["emb"] < kv["both"], kv
+
+
 def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     off = runs("off", {}, "--model", str(models["target"]))
     run = draft_run(runs, models)
@@ -85,9 +124,14 @@ def test_draft_model_converted_and_allowlist_excludes_target(runs, models):
     assert target["method"] == "UnquantizedEmbeddingMethod"
     assert target["tensors"]["weight"][1] == "torch.bfloat16"
     assert "target model" in run.log and "not in allowlist, untouched" in run.log
+    assert run.tables("target")["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
     draft = run.embedding("draft")
     assert draft["method"] == "CompactEmbeddingMethod"
     assert draft["tensors"]["weight"][1] == "torch.uint8"
+    # A separate draft model owns its untied head: head_format converts it.
+    head = next(t for t in run.tables("draft").values() if t["kind"] == "lm_head")
+    assert head["method"] == "CompactEmbeddingMethod" and head["label"].startswith("draft LM head")
+    assert head["tensors"]["weight"][1] == "torch.uint8"
     # Speculative decoding is lossless: a quantized draft cannot change greedy output.
     assert run.result["tokens"] == off.result["tokens"]
 
@@ -118,23 +162,25 @@ def test_bad_settings_stop_startup_with_one_message(tmp_path, models, env, expec
 
 
 def test_tensor_parallel_each_rank_converts_its_own_shard(runs, models):
-    single = runs("int8", {"VLLM_EMBED_FORMAT": "int8"}, "--model", str(models["target"]))
+    both = {"VLLM_EMBED_FORMAT": "int8", "VLLM_EMBED_HEAD_FORMAT": "int8"}
+    single = runs("both-int8", both, "--model", str(models["target"]))
     # Two CPU workers on a one-NUMA-node machine need their cores named.
     run = runs(
         "tp2",
-        {"VLLM_EMBED_FORMAT": "int8", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        {**both, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         "--model",
         str(models["target"]),
         "--tp",
         "2",
     )
-    full = single.embedding()
-    for rank in (0, 1):
-        shard = run.embedding(rank=rank)
-        assert shard["method"] == "CompactEmbeddingMethod"
-        assert shard["rows"] == full["rows"] // 2
-        assert shard["bytes"] * 2 == pytest.approx(full["bytes"], rel=1e-3)
-    assert run.log.count("65536 x 1024 table -> int8") == 2
+    for name in ("model.embed_tokens", "lm_head"):  # both vocab-parallel
+        full = single.tables()[name]
+        for rank in (0, 1):
+            shard = run.tables(rank=rank)[name]
+            assert shard["method"] == "CompactEmbeddingMethod"
+            assert shard["rows"] == full["rows"] // 2
+            assert shard["bytes"] * 2 == pytest.approx(full["bytes"], rel=1e-3)
+    assert run.log.count("65536 x 1024 table -> int8") == 4
     assert greedy_close(single.result, run.result) == []
 
 
@@ -183,17 +229,20 @@ def test_importance_file_of_another_model_stops_startup(tmp_path, models):
 def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
     """vLLM's torch.compile on, its compile cache on and shared: BF16, then int8, then int4,
     then int8 again. Each setting compiles its own graph (the plugin's formats are part of
-    vLLM's cache key); the repeated int8 start loads its own, so the key is stable."""
+    vLLM's cache key); the repeated int8 start loads its own, so the key is stable. The repeat
+    also sets head_format, which a tied model does not use: it says so, and the graph is
+    int8's."""
     import re
 
     model = write_checkpoint(tmp_path / "tied-model", tied=True)
     cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "0"}
     dirs = {}
     for name, fmt in [("off", "off"), ("int8", "int8"), ("int4", "int4"), ("int8-again", "int8")]:
+        head = {"VLLM_EMBED_HEAD_FORMAT": "int4"} if name == "int8-again" else {}
         run = run_engine(
             tmp_path,
             name,
-            {**cache, "VLLM_EMBED_FORMAT": fmt},
+            {**cache, "VLLM_EMBED_FORMAT": fmt, **head},
             "--model",
             str(model),
             "--compile",
@@ -209,6 +258,11 @@ def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
             r"(?:Directly load AOT compilation from path|load failure from) ([^\s,]+)", run.log
         )
         dirs[name] = (saved, loaded)
+        if head:
+            assert (
+                "target LM head lm_head: tied to the embedding, so it is the embedding's table "
+                "and follows format='int8'; head_format='int4' is not used" in run.log
+            )
     assert dirs["off"][0] and dirs["int8"][0] and dirs["int4"][0], dirs
     assert not (dirs["off"][1] or dirs["int8"][1] or dirs["int4"][1]), dirs
     assert len({dirs[n][0][0] for n in ("off", "int8", "int4")}) == 3, dirs

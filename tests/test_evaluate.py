@@ -251,3 +251,26 @@ def test_grids_build_for_any_row_length():
         "llama.cpp Q5_K",
         "llama.cpp Q4_K",
     }
+
+
+def test_head_rows_keep_the_lookup_exact_and_render_their_targets(run):
+    """The head-only column (an untied LM head, `head_format`): the hidden states are the
+    reference's, only the logits read the lossy copy; its section renders the head targets."""
+    from vllm_embed_plugin.tools.fidelity_report import ModelReport, Section, render_markdown
+
+    identity = run.evaluate_head(evaluate.identity_row(run.cols))
+    assert identity.head.kld_mean == 0 and identity.head.top1 == 1 and identity.tied is None
+    int4 = evaluate.plugin_row(IntFormat("int4", 4, 32), run.cols)
+    head = run.evaluate_head(int4).head
+    # The same lossy table as input and head (tied) moves the logits more than as head alone.
+    assert 0 < head.kld_mean < run.evaluate(int4).tied.kld_mean
+    rows = evaluate.grid("head", run.cols)
+    assert {r.key for r in rows} >= {"int8+head", "int5+head", "int4+head", "Q8_0 shifted"}
+    results = [run.evaluate_head(r) for r in rows]
+    section = Section("Untied LM head", results, run.positions, {"plain": 2, "reversed": 2}, 32,
+                      64, False, 1.0, head=True)  # fmt: skip
+    report = ModelReport("tiny", "tiny", run.rows, run.cols, True, [section])
+    text = render_markdown([report], command="eval", corpus="tiny", shift=evaluate.SHIFT)
+    assert "| format | bpw | plain | reversed | all: KLD mean | KLD p99 | top-1 |" in text
+    assert "`int8` + file, head <= 0.9x llama.cpp Q8_0, blocks shifted 16 (head KLD)" in text
+    assert "*llama.cpp Q6_K* | n/a (rows of 64 are not a multiple of 256)" in text

@@ -130,13 +130,13 @@ def test_register_many_times_is_harmless(monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 
     import vllm_embed_plugin
-    from vllm_embed_plugin.layer import CompactVocabParallelEmbedding, TiedCompactLMHead
+    from vllm_embed_plugin.layer import CompactParallelLMHead, CompactVocabParallelEmbedding
 
     monkeypatch.setenv("VLLM_EMBED_FORMAT", "int8")
     for _ in range(5):
         vllm_embed_plugin.register()
     assert op_registry_oot["VocabParallelEmbedding"] is CompactVocabParallelEmbedding
-    assert op_registry_oot["ParallelLMHead"] is TiedCompactLMHead
+    assert op_registry_oot["ParallelLMHead"] is CompactParallelLMHead
 
 
 def test_lossless_format_keeps_the_loaded_dtype():
@@ -181,3 +181,90 @@ def test_a_quick_conversion_logs_no_progress(caplog):
     with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
         method.process_weights_after_loading(make_layer(rows=512))
     assert not [r for r in caplog.records if "rows (" in r.getMessage()]
+
+
+def test_untied_head_converts_like_the_embedding_and_computes_biased_logits():
+    """An untied LM head (`role` "lm_head") goes through the same conversion; its logits come
+    from the packed table, rows rounded jointly against a calibration file, plus the bias
+    vLLM's logits processor passes. Padding rows (zero, as vLLM's loader leaves them) give
+    zero logits."""
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import ColumnImportance
+
+    layer = make_layer(rows=512, cols=256, seed=3)
+    layer.weight.data[500:] = 0  # vLLM pads the vocabulary with zero rows
+    original = layer.weight.detach().clone()
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2048, 256, generator=g)
+    hidden[:, 7] += 20  # a massive-activation column
+    moment = hidden.T @ hidden / hidden.shape[0]
+    fmt = make_format("int4", weighted=True)
+    importance = ColumnImportance.from_second_moment(moment, joint=True)
+    method = CompactEmbeddingMethod(
+        fmt, "target LM head lm_head", role="lm_head", importance=importance
+    )
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.uint8 and method.importance is None
+    expected = quantize_table(original, fmt, importance=importance)
+    assert torch.equal(layer.weight, expected.codes)
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    bias = torch.randn(512, generator=g).bfloat16()
+    logits = method.apply(layer, x, bias)
+    table = fmt.dequantize(expected, 256, torch.float32)
+    reference = x.float() @ table.T + bias.float()
+    assert logits.shape == (5, 512)
+    torch.testing.assert_close(logits.float(), reference, rtol=2e-2, atol=2e-2)
+    assert torch.equal(method.apply(layer, x)[:, 500:], torch.zeros(5, 12, dtype=logits.dtype))
+    # Joint rounding against the hidden states beats rounding each row alone, in the logits.
+    plain = fmt.dequantize(quantize_table(original, make_format("int4")), 256, torch.float32)
+    exact = hidden @ original.float().T
+    assert (hidden @ table.T - exact).square().mean() < 0.8 * (
+        hidden @ plain.T - exact
+    ).square().mean()
+
+
+@pytest.mark.parametrize(
+    "role, tag, tied, converted",
+    [
+        ("target", "backbone", False, True),
+        ("draft", "draft_model", False, True),  # a separate draft model owns its head
+        ("draft", "eagle_head", False, False),  # vLLM swaps it for the target's head
+        ("target", "backbone", True, False),  # tied: the embedding's table decides
+    ],
+)
+def test_which_heads_head_format_converts(monkeypatch, caplog, role, tag, tied, converted):
+    """The head's decision by role: the target's and a separate draft model's untied heads are
+    converted; an EAGLE/MTP drafter's own head is not (vLLM replaces it with the target's,
+    converted, head); a tied head is left to its embedding, with a log line."""
+    import logging
+    import types
+
+    from vllm.compilation import backends
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_embed_plugin import layer as layer_module
+    from vllm_embed_plugin.log import _said
+    from vllm_embed_plugin.settings import Decision
+
+    decision = Decision("m", "int8", None, "default format", head_format="int4")
+    config = types.SimpleNamespace(additional_config={})
+    where = f"{role} LM head lm_head"
+    table = layer_module._Table(config, role, decision, tied, where)
+    monkeypatch.setattr(layer_module, "_vocabulary_table", lambda layer, kind: table)
+    monkeypatch.setattr(backends, "model_tag", tag)
+    _said.clear()
+    head = types.SimpleNamespace(
+        quant_method=UnquantizedEmbeddingMethod(), embedding_dim=256, params_dtype=torch.bfloat16
+    )
+    with caplog.at_level(logging.INFO, logger="vllm.embed_plugin"):
+        method = layer_module.choose_head_method(head)
+    assert (method is not None) == converted
+    if converted:
+        assert method.role == "lm_head" and method.fmt.name == "int4" and method.label == where
+        assert config.additional_config["vllm_embed_plugin"][where]["format"] == method.fmt_key
+        method.cancel()
+    logs = " ".join(r.getMessage() for r in caplog.records)
+    if tied:
+        assert "follows format='int8'; head_format='int4' is not used" in logs
+    if tag == "eagle_head":
+        assert "left as vLLM builds it" in logs

@@ -78,6 +78,34 @@ def test_importance_file_per_rule_or_global(tmp_path, monkeypatch):
     assert target.importance == a and f"importance {a}" in str(target)
 
 
+def test_head_format_is_independent_of_format_and_set_per_rule(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_EMBED_HEAD_FORMAT", "int8")
+    alone = load_settings()
+    assert alone.active and alone.format == "off"
+    decision = alone.decide("org/m")
+    assert (decision.convert, decision.convert_head, decision.head_format) == (False, True, "int8")
+    assert "embedding off, untied LM head int8" in str(decision)
+    assert "head_format=int8" in alone.summary()
+    monkeypatch.delenv("VLLM_EMBED_HEAD_FORMAT")
+    config = write(
+        tmp_path,
+        "embed.toml",
+        """
+        format = "int8"
+
+        [[rules]]
+        match = "big-*"
+        head_format = "int5"
+        """,
+    )
+    monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
+    settings = load_settings()
+    big, small = settings.decide("/m/big-1"), settings.decide("/m/small")
+    assert (big.format, big.head_format) == ("int8", "int5")
+    assert (small.format, small.head_format, small.convert_head) == ("int8", "off", False)
+    assert str(small) == "model '/m/small': int8 (default format)"
+
+
 def test_yaml_config(tmp_path, monkeypatch):
     config = write(tmp_path, "embed.yaml", "format: int8\nmodels: [a, b]\n")
     monkeypatch.setenv("VLLM_EMBED_CONFIG", str(config))
@@ -103,6 +131,17 @@ def test_yaml_config(tmp_path, monkeypatch):
             None,
             ["VLLM_EMBED_HEAD_KERNEL='marlin'", "'auto'", "'plugin'", "'machete'"],
         ),
+        (
+            {"VLLM_EMBED_HEAD_FORMAT": "int3"},
+            None,
+            ["VLLM_EMBED_HEAD_FORMAT='int3'", "'off'", "'int8'", "'int4'"],
+        ),
+        (
+            {"VLLM_EMBED_HEAD_FORMAT": "host-int8"},
+            None,
+            ["VLLM_EMBED_HEAD_FORMAT='host-int8'", "must stay on the GPU", "'off', 'int8'"],
+        ),
+        ({}, '[[rules]]\nmatch = "x"\nhead_format = "host"\n', ["rules.0.head_format='host'"]),
         (
             {"VLLM_EMBED_IMPORTANCE": "/nonexistent/m.safetensors"},
             None,
@@ -202,7 +241,11 @@ def test_vllm_knows_the_plugin_variables_once_registered(monkeypatch):
 
     # vLLM 0.32 checks on the platform, 0.26 in vllm.envs; both read this table.
     validate = getattr(current_platform, "validate_environ", None) or envs.validate_environ
-    monkeypatch.setattr(envs, "environment_variables", dict(envs.environment_variables))
+    # vLLM's table as it is before any register() (an earlier test may have run one).
+    vllm_own = {
+        k: v for k, v in envs.environment_variables.items() if not k.startswith("VLLM_EMBED_")
+    }
+    monkeypatch.setattr(envs, "environment_variables", vllm_own)
     for key in list(os.environ):
         if key.startswith("VLLM_") and key not in envs.environment_variables:
             monkeypatch.delenv(key)

@@ -65,11 +65,11 @@ def _vllm_usable(untested_vllm: str) -> bool:
 def _register_layer() -> None:
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    from .layer import CompactVocabParallelEmbedding, TiedCompactLMHead
+    from .layer import CompactParallelLMHead, CompactVocabParallelEmbedding
 
     for name, layer_cls in [
         ("VocabParallelEmbedding", CompactVocabParallelEmbedding),
-        ("ParallelLMHead", TiedCompactLMHead),
+        ("ParallelLMHead", CompactParallelLMHead),
     ]:
         registered = op_registry_oot.get(name)
         if registered is layer_cls:

@@ -3,10 +3,14 @@ it belongs to and which format it gets. Everything else is vLLM's own layer.
 
 vLLM builds every `VocabParallelEmbedding(...)` through `PluggableLayer.__new__`, which looks
 the class name up in the out-of-tree registry. `ParallelLMHead` is registered too
-(`TiedCompactLMHead`), but only its `tie_weights` differs from vLLM's.
+(`CompactParallelLMHead`): an untied head gets its own format (`head_format`), a tied one
+reads its embedding's packed table.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
@@ -21,7 +25,7 @@ from . import importance
 from .formats import IntFormat, TableFormat, machete, make_format
 from .log import log_once
 from .method import CompactEmbeddingMethod
-from .settings import EmbedSettingsError, current_settings
+from .settings import Decision, EmbedSettingsError, current_settings
 
 #: Model tags vLLM sets (`set_model_tag`) while it builds a speculative-decoding drafter.
 DRAFT_MODEL_TAGS = ("draft_model", "eagle_head", "medusa_head", "dflash_head", "dspark_head")
@@ -41,12 +45,24 @@ class CompactVocabParallelEmbedding(VocabParallelEmbedding):
             self.use_fused_embedding = False
 
 
-class TiedCompactLMHead(ParallelLMHead):
-    """`ParallelLMHead` that, when tied to a converted embedding, computes its logits from
-    the embedding's packed table instead of sharing a BF16 weight. Untied heads and heads
-    tied to unconverted embeddings behave exactly as vLLM's."""
+class CompactParallelLMHead(ParallelLMHead):
+    """`ParallelLMHead` whose logits may come from a packed table: its own, when the head is
+    untied and `head_format` is set (converted after loading, like the embedding), or the
+    embedding's, when it is tied to a converted embedding. Otherwise it is vLLM's head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *args, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, *args, **kwargs)
+        if not hasattr(self, "prefix"):  # vLLM keeps it on the layer only from 0.32
+            self.prefix = kwargs.get("prefix", "")
+        method = choose_head_method(self)
+        if method is not None:
+            self.quant_method = method
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding):
+        if isinstance(self.quant_method, CompactEmbeddingMethod):
+            # A model that ties a head its config calls untied: the table serves both.
+            self.quant_method.cancel()
+            self.quant_method = UnquantizedEmbeddingMethod()
         method = embed_tokens.quant_method
         if isinstance(method, CompactEmbeddingMethod):
             method.tie_head(self, embed_tokens)
@@ -54,27 +70,42 @@ class TiedCompactLMHead(ParallelLMHead):
         return super().tie_weights(embed_tokens)
 
 
-def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | None:
-    """The online method for this embedding, or None to leave it as vLLM built it."""
+@dataclass(frozen=True)
+class _Table:
+    """A vocabulary table of the model being built: whose it is and what the settings say."""
+
+    vllm_config: Any
+    role: str  # "target" | "draft"
+    decision: Decision
+    tied: bool
+    where: str  # how logs and `check` name it, e.g. "target LM head lm_head"
+
+
+def _vocabulary_table(layer: VocabParallelEmbedding, kind: str) -> _Table | None:
+    """The table `layer` is, if it is a model's token table (or LM head) being built."""
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or vllm_config.model_config is None:
         return None
     role, model_config = _owning_model(vllm_config)
     text_config = model_config.hf_text_config
-    where = f"{role} {layer.prefix or 'embedding'}"
-
     if layer.org_vocab_size != getattr(text_config, "vocab_size", None):
-        return None  # a position or token-type table, not the token embedding
+        return None  # a position or token-type table, or a drafter's own small vocabulary
     decision = current_settings().decide(model_config.model)
     log_once(f"{role} {decision}")
-    if not decision.convert:
+    where = f"{role} {kind} {layer.prefix or kind}"
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    return _Table(vllm_config, role, decision, tied, where)
+
+
+def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | None:
+    """The online method for this embedding, or None to leave it as vLLM built it."""
+    table = _vocabulary_table(layer, "embedding")
+    if table is None or not table.decision.convert:
         return None
-    if not isinstance(layer.quant_method, UnquantizedEmbeddingMethod):
-        log_once(
-            f"{where}: left as is, the checkpoint's quantization "
-            f"({type(layer.quant_method).__name__}) already covers it"
-        )
+    decision, where, tied = table.decision, table.where, table.tied
+    if not _unquantized(layer, where):
         return None
+    model_config = table.vllm_config.model_config
     if getattr(model_config, "word_embeddings_untied_by_checkpoint", False):  # newer vLLM only
         # vLLM re-ties such a head only to an unconverted table; converting would keep both.
         log_once(f"{where}: left in BF16, the checkpoint's lm_head may be re-tied to it")
@@ -84,20 +115,19 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             f"{where}: format {decision.format!r} is a no-op on the CPU backend (the table already lives in host memory)"
         )
         return None
-    tied = bool(getattr(text_config, "tie_word_embeddings", False))
     name = decision.format
     if tied and decision.on_host:
         name = _tied_fallback(decision, where)
         if name == "off":
             return None
-    if role == "draft" and replaced_by_target(vllm_config):
+    if table.role == "draft" and replaced_by_target(table.vllm_config):
         log_once(
             f"{where}: vLLM swaps in the target's table for this MTP drafter's after loading; "
             "this copy is converted anyway, since vLLM 0.26 swaps only a table of the target's "
             "width, and is freed at the swap"
         )
     label = where + (" (tied LM head)" if tied else "")
-    column_importance = _importance(decision, name, layer.embedding_dim, where, tied)
+    column_importance = _importance(decision, name, layer.embedding_dim, where, joint=tied)
     fmt = make_format(name, decision.group_size, weighted=column_importance is not None)
     on_host = name == decision.format and decision.on_host
     if tied and not on_host:  # a tied host format's fallback lives on the GPU too
@@ -109,8 +139,66 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
         on_host=on_host,
         importance=column_importance,
     )
-    _key_compile_cache(vllm_config, label, method)
+    _key_compile_cache(table.vllm_config, label, method)
     return method
+
+
+def choose_head_method(layer: ParallelLMHead) -> CompactEmbeddingMethod | None:
+    """The online method for an untied LM head (`head_format`), or None to leave it as vLLM
+    built it. A tied head is decided by its embedding (`tie_weights`)."""
+    table = _vocabulary_table(layer, "LM head")
+    if table is None:
+        return None
+    decision, where = table.decision, table.where
+    if table.tied:
+        if decision.convert_head:
+            log_once(
+                f"{where}: tied to the embedding, so it is the embedding's table and follows "
+                f"format={decision.format!r}; head_format={decision.head_format!r} is not used"
+            )
+        return None
+    if not decision.convert_head:
+        return None
+    if table.role == "draft" and _built_by_proposer():
+        # vLLM's EAGLE/MTP proposer swaps a drafter's head for the target's after loading
+        # (MTP always; EAGLE when the drafter ships none, or an identical copy), so a
+        # conversion here would be thrown away, or run on a weight that was never loaded.
+        log_once(
+            f"{where}: left as vLLM builds it (an EAGLE/MTP drafter either shares the "
+            "target's head, converted, or keeps its own)"
+        )
+        return None
+    if not _unquantized(layer, where):
+        return None
+    # The head's input is the hidden state the importance file measures: rows are rounded
+    # jointly against it, as for a tied table.
+    column_importance = _importance(
+        decision, decision.head_format, layer.embedding_dim, where, joint=True
+    )
+    fmt = make_format(
+        decision.head_format, decision.group_size, weighted=column_importance is not None
+    )
+    fmt = _head_layout(fmt, layer, where)
+    method = CompactEmbeddingMethod(
+        fmt,
+        label=where,
+        role="lm_head",
+        on_error=current_settings().on_error,
+        importance=column_importance,
+    )
+    _key_compile_cache(table.vllm_config, where, method)
+    return method
+
+
+def _unquantized(layer: VocabParallelEmbedding, where: str) -> bool:
+    """Whether vLLM built this table as plain BF16 (else the checkpoint's quantization has it)."""
+    if isinstance(layer.quant_method, UnquantizedEmbeddingMethod):
+        return True
+    log_once(
+        f"{where}: left as is, the checkpoint's quantization "
+        f"({type(layer.quant_method).__name__}) already covers it"
+    )
+    return False
 
 
 def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) -> None:
@@ -131,27 +219,28 @@ def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) 
     )
 
 
-def _importance(decision, name: str, cols: int, where: str, tied: bool):
+def _importance(decision, name: str, cols: int, where: str, joint: bool):
     """The column importance (`importance.py`), if one is set and the format uses it. It
-    measures the LM head's input, so only a tied table uses it: its scales are searched and
-    its rows rounded jointly against it. An untied table is converted exactly as without a
-    file (a search for the head's columns measured worse for the lookup, docs/CALIBRATION.md),
-    but the file is still checked, so one from another model stops startup either way."""
+    measures the LM head's input, so only a table that computes logits (`joint`: a tied
+    table or an untied head) uses it: its scales are searched and its rows rounded jointly
+    against it. An untied embedding is converted exactly as without a file (a search for the
+    head's columns measured worse for the lookup, docs/CALIBRATION.md), but the file is still
+    checked, so one from another model stops startup either way."""
     if decision.importance is None:
         return None
     if not isinstance(make_format(name), IntFormat):
         log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
         return None
     try:
-        loaded = importance.load(decision.importance, cols, joint=tied)
+        loaded = importance.load(decision.importance, cols, joint=joint)
     except importance.ImportanceError as exc:
         raise EmbedSettingsError(
             f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}"
         ) from None
-    if not tied:
+    if not joint:
         log_once(
-            f"{where}: untied, so the importance file is checked but not used (it describes "
-            "the LM head's input, not the lookup)"
+            f"{where}: untied, so the importance file is checked but not used here (it "
+            "describes the LM head's input, not the lookup)"
         )
         return None
     return loaded
@@ -235,3 +324,11 @@ def _owning_model(vllm_config):
         if vllm_config.model_config is draft_config or backends.model_tag in DRAFT_MODEL_TAGS:
             return "draft", draft_config
     return "target", vllm_config.model_config
+
+
+def _built_by_proposer() -> bool:
+    """Whether vLLM's EAGLE/MTP-style proposer is building a drafter now (a separate draft
+    model, tag "draft_model", owns its head like any model)."""
+    from vllm.compilation import backends
+
+    return backends.model_tag in DRAFT_MODEL_TAGS and backends.model_tag != "draft_model"

@@ -1,4 +1,5 @@
-"""The vLLM contract: load the table as stock BF16, convert it once, then serve lookups.
+"""The vLLM contract: load the table as stock BF16, convert it once, then serve lookups (an
+embedding) or logits (a tied table, or an untied LM head with its own format).
 
 After conversion the layer holds `weight` (the packed codes, uint8 [rows, code_bytes]; for a
 table in Machete's layout int32 words, `formats.machete`), `weight_scales` and, for affine
@@ -30,7 +31,9 @@ PROGRESS_SECONDS = 15.0
 
 
 class CompactEmbeddingMethod(QuantizeMethodBase):
-    """Online method for a token embedding: BF16 load -> `fmt` -> lookup."""
+    """Online method for a vocabulary table: BF16 load -> `fmt` -> lookup (`role`
+    "embedding") or logits (`apply`: an embedding's tied heads, or `role` "lm_head", an
+    untied head converted on its own). Both roles convert, release and fail alike."""
 
     # vLLM's own load path builds the BF16 weight exactly as for an unquantized table.
     _bf16 = UnquantizedEmbeddingMethod()
@@ -42,8 +45,11 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         on_error: str = "fail",
         on_host: bool = False,
         importance: ColumnImportance | None = None,
+        role: str = "embedding",
     ):
         self.fmt = fmt
+        #: "embedding" (lookups, and logits for tied heads) or "lm_head" (logits only).
+        self.role = role
         #: How the compiled forward names the format to the kernels' custom ops.
         self.fmt_key = kernels.register_format(fmt)
         #: What an error in each column costs (`importance.py`); dropped after conversion.
@@ -57,6 +63,10 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
         #: The head's GEMM recorded per batch size: vLLM computes logits outside its graphs.
         self.head_graphs = kernels.HeadGraphs()
         memory.expect_conversion()
+
+    def cancel(self) -> None:
+        """This table will not be converted after all (its layer went back to vLLM's method)."""
+        memory.conversion_finished()
 
     def tie_head(self, head: torch.nn.Module, embedding: torch.nn.Module) -> None:
         """Make `head` compute its logits from this embedding's packed table."""
@@ -104,7 +114,7 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
             rows,
             cols,
             self.fmt.describe(cols)
-            + (", rows rounded jointly for the tied head (GPTQ)" if joint else ""),
+            + (", rows rounded jointly for the logits (GPTQ)" if joint else ""),
             weight.numel() * weight.element_size() / GiB,
             packed.nbytes / GiB,
             "pinned host memory (0 GiB of GPU memory)"
@@ -175,7 +185,8 @@ class CompactEmbeddingMethod(QuantizeMethodBase):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits of a tied head: x @ table^T, from the packed table (weight-only kernel)."""
+        """Logits: x @ table^T, from the packed table (weight-only kernel), for a tied head or
+        an untied one. `bias` is what vLLM's logits processor passes, as for its own head."""
         logits = kernels.linear(
             self.fmt_key, self.packed(layer), x, layer.embedding_cols, graphs=self.head_graphs
         )

@@ -50,6 +50,17 @@ def _numeric_group(value: Any) -> Any:
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
+def _device_head_format(value: Any) -> Any:
+    """The head is read in full at every step, so it cannot live in host memory."""
+    if value in HOST_FORMATS:
+        allowed = ", ".join(repr(name) for name in ("off", *FORMATS))
+        raise ValueError(
+            f"a host format keeps a table in host memory, but the LM head is read in full at "
+            f"every step and must stay on the GPU; allowed are {allowed}"
+        )
+    return value
+
+
 def _split_patterns(value: Any) -> Any:
     if isinstance(value, str):
         return [p.strip() for p in value.split(",") if p.strip()]
@@ -63,17 +74,25 @@ class ModelRule(BaseModel):
 
     match: str = Field(description="glob pattern on the model name (or its final directory name)")
     format: FormatName | None = None
+    head_format: DeviceFormatName | None = None
     group_size: GroupSize | None = None
     tied_fallback: DeviceFormatName | None = None
     importance: FilePath | None = None
 
     _numeric_group = field_validator("group_size", mode="before")(_numeric_group)
+    _device_head = field_validator("head_format", mode="before")(_device_head_format)
 
 
 class EmbedSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     format: FormatName = Field("off", description="storage format of the token-embedding table")
+    head_format: DeviceFormatName = Field(
+        "off",
+        description="storage format of an untied LM head (the target's or a separate draft "
+        "model's), independent of `format`; a tied head is the embedding table and follows "
+        "`format`",
+    )
     group_size: GroupSize | None = Field(
         None, description="columns per scale; unset = the format's measured default"
     )
@@ -112,6 +131,7 @@ class EmbedSettings(BaseSettings):
 
     _split_models = field_validator("models", mode="before")(_split_patterns)
     _numeric_group = field_validator("group_size", mode="before")(_numeric_group)
+    _device_head = field_validator("head_format", mode="before")(_device_head_format)
 
     @classmethod
     def settings_customise_sources(
@@ -130,7 +150,15 @@ class EmbedSettings(BaseSettings):
     @property
     def active(self) -> bool:
         """False when nothing could ever be converted: the plugin then changes nothing."""
-        return self.format != "off" or any(r.format not in (None, "off") for r in self.rules)
+        return any(
+            value not in (None, "off")
+            for value in (
+                self.format,
+                self.head_format,
+                *(r.format for r in self.rules),
+                *(r.head_format for r in self.rules),
+            )
+        )
 
     def decide(self, model: str) -> Decision:
         """Which format this model's embedding gets, and why (for the log)."""
@@ -138,12 +166,14 @@ class EmbedSettings(BaseSettings):
             return Decision(model, "off", None, "not in allowlist, untouched")
         for number, rule in enumerate(self.rules, start=1):
             if _matches(rule.match, model):
-                fmt = rule.format or self.format
-                group = rule.group_size or self.group_size
-                fallback = rule.tied_fallback or self.tied_fallback
-                importance = rule.importance or self.importance
                 return Decision(
-                    model, fmt, group, f"rule {number} (match {rule.match!r})", fallback, importance
+                    model,
+                    rule.format or self.format,
+                    rule.group_size or self.group_size,
+                    f"rule {number} (match {rule.match!r})",
+                    rule.tied_fallback or self.tied_fallback,
+                    rule.importance or self.importance,
+                    rule.head_format or self.head_format,
                 )
         return Decision(
             model,
@@ -152,10 +182,13 @@ class EmbedSettings(BaseSettings):
             "default format",
             self.tied_fallback,
             self.importance,
+            self.head_format,
         )
 
     def summary(self) -> str:
         parts = [f"format={self.format}"]
+        if self.head_format != "off":
+            parts.append(f"head_format={self.head_format}")
         if self.group_size:
             parts.append(f"group_size={self.group_size}")
         parts.append(f"models={','.join(self.models) or '*'}")
@@ -182,21 +215,32 @@ class Decision:
     tied_fallback: str | None = None
     #: Column-importance file for the scale search, or None.
     importance: Path | None = None
+    #: Format of an untied LM head ("off": vLLM's own BF16 head).
+    head_format: str = "off"
 
     @property
     def convert(self) -> bool:
+        """Whether the embedding table is converted."""
         return self.format != "off"
+
+    @property
+    def convert_head(self) -> bool:
+        """Whether an untied LM head is converted."""
+        return self.head_format != "off"
 
     @property
     def on_host(self) -> bool:
         return self.format in HOST_FORMATS
 
     def __str__(self) -> str:
-        if not self.convert:
+        if not (self.convert or self.convert_head):
             return f"model {self.model!r}: {self.reason}"
         group = f", group {self.group_size}" if self.group_size else ""
         weighted = f", importance {self.importance}" if self.importance else ""
-        return f"model {self.model!r}: {self.format}{group}{weighted} ({self.reason})"
+        formats = self.format
+        if self.convert_head:
+            formats = f"embedding {self.format}, untied LM head {self.head_format}"
+        return f"model {self.model!r}: {formats}{group}{weighted} ({self.reason})"
 
 
 def _matches(pattern: str, model: str) -> bool:

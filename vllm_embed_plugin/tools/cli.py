@@ -32,8 +32,27 @@ def cmd_check(args) -> int:
     if not settings.active:
         print("the plugin is inactive: vLLM runs exactly as without it")
     for model in args.model:
-        print(settings.decide(model))
+        decision = settings.decide(model)
+        print(decision)
+        head = _head_role(decision, model)
+        if head:
+            print(head)
     return 0
+
+
+def _head_role(decision, model: str) -> str | None:
+    """What head_format does for `model`, when its config.json is at hand to say if it is tied."""
+    from .plan import load_config
+
+    if not decision.convert_head or not (Path(model) / "config.json").is_file():
+        return None
+    config = load_config(model)
+    if config.get("tie_word_embeddings", config["_top"].get("tie_word_embeddings", False)):
+        return (
+            f"  LM head: tied to the embedding, so it follows format={decision.format!r}; "
+            f"head_format={decision.head_format!r} is not used"
+        )
+    return f"  LM head: untied, converted to {decision.head_format!r} (head_format)"
 
 
 def _installation(settings) -> list[str]:
@@ -106,12 +125,12 @@ def cmd_plan(args) -> int:
     )
     gpu_bytes, gpu = _gpu_memory(args.gpu_memory_gib)
     print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB ({gpu})")
-    header = f"{'format':<8} {'table GiB':>10} {'freed GiB':>10} {'% of GPU':>9} {'+KV tokens':>12} {f'+seqs@{args.max_model_len}':>12}  storage"
+    header = f"{'format':<10} {'table GiB':>10} {'freed GiB':>10} {'% of GPU':>9} {'+KV tokens':>12} {f'+seqs@{args.max_model_len}':>12}  storage"
     print(header)
     for row in rows:
         share = 100 * row.freed_bytes / gpu_bytes
         print(
-            f"{row.format:<8} {row.table_bytes / GiB:>10.3f} {row.freed_bytes / GiB:>10.3f} {share:>8.1f}% "
+            f"{row.format:<10} {row.table_bytes / GiB:>10.3f} {row.freed_bytes / GiB:>10.3f} {share:>8.1f}% "
             f"{row.extra_kv_tokens:>12,} {row.extra_sequences:>12.1f}  {row.description}"
         )
     return 0

@@ -313,6 +313,8 @@ def grid(name: str, cols: int) -> list[Candidate]:
                     )
                 )
         return rows + [keyed(llama_cpp_row(t, cols), t) for t in ("Q5_1", "Q4_0")]
+    if name == "head":
+        return head_rows(cols)
     if name == "8bit":
         return [
             llama_cpp_row("Q8_0", cols),
@@ -343,11 +345,42 @@ def grid(name: str, cols: int) -> list[Candidate]:
     ]
 
 
+def head_rows(cols: int) -> list[Candidate]:
+    """The rows of an untied LM head (`head_format`): the plugin's integer formats with a
+    calibration file, as the plugin converts a head (scale search and joint rounding against
+    M), plain fp8, and llama.cpp's quantizers at the same sizes (Q6_K where the columns
+    allow; llama.cpp stores `output.weight` as Q6_K in its K-quant mixes)."""
+    from ..formats import FORMATS, make_format
+
+    rows = []
+    for name, fmt in FORMATS.items():
+        if isinstance(fmt, IntFormat):
+            searched = make_format(name, weighted=True)
+            label = (
+                f"**{name} + importance, head**: {_format_label(searched)}, rows rounded jointly"
+            )
+            row = plugin_row(searched, cols, weighted=True, joint=True, label=label)
+        else:
+            row = plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}")
+        rows.append(dataclasses.replace(row, key=f"{name}+head"))
+    anchors = [("Q8_0", SHIFT, "Q8_0 shifted"), ("Q6_K", 0, "Q6_K"), ("Q5_1", 0, "Q5_1")]
+    anchors += [("Q4_0", 0, "Q4_0")]
+    for type_name, shift, key in anchors:
+        rows.append(dataclasses.replace(llama_cpp_row(type_name, cols, shift=shift), key=key))
+    return rows
+
+
+#: Grids whose rows are measured as an untied LM head (`FidelityRun.evaluate_head`).
+HEAD_GRIDS = {"head"}
+
 #: What `--grid` evaluates per model: (section title, rows, de-grid the table first).
 SECTIONS = {
     "quick": [("Original table", "quick", False)],
     "anchors": [("Original table", "anchors", False)],
     "plugin": [("Original table", "plugin", False)],
+    "head": [
+        ("Untied LM head: the lookup exact, the lossy copy computes the logits", "head", False)
+    ],
     "full": [
         ("Original table", "full", False),
         ("8-bit class on the de-gridded table", "8bit", True),
@@ -396,6 +429,10 @@ def mode_stats(
     )
 
 
+#: What a Result measures, in the order of its per-domain tuples.
+MODES = ("input", "tied", "head")
+
+
 @dataclass(frozen=True)
 class Result:
     candidate: Candidate
@@ -403,11 +440,16 @@ class Result:
     input: ModeStats | None = None
     tied: ModeStats | None = None
     seconds: float = 0.0
-    #: domain -> (input, tied) over that domain's windows.
+    #: domain -> (input, tied) over that domain's windows, or (None, None, head) for a row
+    #: measured as an untied head (`FidelityRun.evaluate_head`).
     domains: dict = dataclasses.field(default_factory=dict)
+    #: The lookup exact, the lossy table computing the logits (an untied LM head).
+    head: ModeStats | None = None
 
     def domain(self, name: str, mode: str) -> ModeStats | None:
-        return self.domains.get(name, (None, None))[0 if mode == "input" else 1]
+        stats = self.domains.get(name, ())
+        index = MODES.index(mode)
+        return stats[index] if index < len(stats) else None
 
 
 def packaged_domains() -> dict[str, str]:
@@ -591,6 +633,37 @@ class FidelityRun:
             domains[name] = (per.get("input"), per.get("tied"))
         return Result(candidate, seconds=time.perf_counter() - started, domains=domains, **stats)
 
+    @torch.inference_mode()
+    def evaluate_head(self, candidate: Candidate) -> Result:
+        """The row as an untied LM head stores it (`head_format`): the lookup exact, so the
+        final hidden states are the reference's, and the lossy copy of the head computes the
+        logits. The copy is made from the head (for a tied model, the table itself)."""
+        if candidate.roundtrip is None:
+            return Result(candidate)
+        started = time.perf_counter()
+        lossy = candidate.roundtrip(self.head, self.second_moment)
+        kld = torch.empty(self.positions)
+        agree = torch.empty(self.positions, dtype=torch.bool)
+        for s, lp_ref in self._reference_chunks():
+            e = s + lp_ref.shape[0]
+            z = self._logits(self.h_ref[s:e], lossy)
+            agree[s:e] = z.argmax(-1) == self.ref_top[s:e]
+            lp = torch.log_softmax(z, -1)
+            del z
+            kld[s:e] = lp.neg_().add_(lp_ref).mul_(lp_ref.exp()).sum(-1)
+            del lp
+        del lossy
+        domains = {
+            name: (None, None, mode_stats(kld, agree, self.windows_of(name)))
+            for name in self.domain_names
+        }
+        return Result(
+            candidate,
+            head=mode_stats(kld, agree, self.bounds),
+            seconds=time.perf_counter() - started,
+            domains=domains,
+        )
+
 
 # -- entry points ------------------------------------------------------------------------------
 
@@ -624,9 +697,17 @@ def evaluate_model(
         )
         rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
         results = []
+        measure = run.evaluate_head if rows_name in HEAD_GRIDS else run.evaluate
         for i, cand in enumerate(rows):
-            results.append(run.evaluate(cand))
+            results.append(measure(cand))
             r = results[-1]
+            if progress and r.head is not None:
+                print(
+                    f"[{model} {rows_name} {i + 1}/{len(rows)}] {cand.label}: "
+                    f"{cand.bpw:.2f} bpw, head {r.head.kld_mean:.2e} ({r.seconds:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if progress and r.input is not None:
                 tied = f", tied {r.tied.kld_mean:.2e}" if r.tied else ""
                 print(
@@ -654,6 +735,7 @@ def evaluate_model(
                 window=window,
                 calibration_positions=run.calibration_positions,
                 degridded=degridded,
+                head=rows_name in HEAD_GRIDS,
                 seconds=time.perf_counter() - started,
             )
         )

@@ -79,6 +79,8 @@ class Section:
     calibration_positions: int | None
     degridded: bool
     seconds: float
+    #: Rows measured as an untied LM head (the lookup exact): one column, "head".
+    head: bool = False
 
 
 @dataclass
@@ -154,6 +156,12 @@ TARGETS = (
     ("`int5` + file, tied", "int5+tied", "Q5_1", 0.5, "tied"),
     ("`int8` + file, tied", "int8+tied", "Q8_0 shifted", 1.0, "tied"),
 )
+#: The same for an untied LM head (`head_format`, a calibration file), issue 25.
+HEAD_TARGETS = (
+    ("`int4` + file, head", "int4+head", "Q4_0", 0.6, "head"),
+    ("`int5` + file, head", "int5+head", "Q5_1", 0.5, "head"),
+    ("`int8` + file, head", "int8+head", "Q8_0 shifted", 0.9, "head"),
+)
 
 
 def _short(x: float) -> str:
@@ -198,10 +206,32 @@ def target_ratios(row: Result, ref: Result, domain: str, mode: str) -> tuple[flo
     return ratio, min(pairs, default=ratio), max(pairs, default=ratio)
 
 
-def _target_table(results: Sequence[Result], domains: Sequence[str]) -> list[str]:
+def _head_table(results: Sequence[Result], domains: Sequence[str]) -> list[str]:
+    """Head-only rows: per-domain mean KLD with its spread, then all domains together."""
+    lines = [
+        "| format | bpw | " + " | ".join(domains) + " | all: KLD mean | KLD p99 | top-1 |",
+        "|---|---|" + "---|" * (len(domains) + 3),
+    ]
+    measured = sorted(
+        (r for r in results if r.head is not None),
+        key=lambda r: (-(r.candidate.bpw or 0), r.head.kld_mean),
+    )
+    for r in measured:
+        c = r.candidate
+        label = f"*{c.label}*" if c.kind == "llama.cpp" else c.label
+        cells = [_with_spread(r.domain(d, "head")) for d in domains]
+        cells += [_fmt_kld(r.head.kld_mean), _fmt_kld(r.head.kld_p99), f"{r.head.top1:.2%}"]
+        lines.append(f"| {label} | {c.bpw:.2f} | " + " | ".join(cells) + " |")
+    for r in results:
+        if r.head is None and r.candidate.note:
+            lines.append(f"| *{r.candidate.label}* | n/a ({r.candidate.note}) |")
+    return lines
+
+
+def _target_table(results: Sequence[Result], domains: Sequence[str], targets=TARGETS) -> list[str]:
     by_key = {r.candidate.key: r for r in results if r.candidate.key and r.domains}
     lines = ["| target | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
-    for title, key, ref_key, limit, mode in TARGETS:
+    for title, key, ref_key, limit, mode in targets:
         row, ref = by_key.get(key), by_key.get(ref_key)
         if row is None or ref is None or row.domain(domains[0], mode) is None:
             continue
@@ -272,9 +302,9 @@ def render_markdown(
                 "",
                 "Mean KLD per domain, and in brackets the lowest and highest mean of one window:",
                 "",
-                *_domain_table(sec.results, domains),
+                *(_head_table if sec.head else _domain_table)(sec.results, domains),
             ]
-            targets = _target_table(sec.results, domains)
+            targets = _target_table(sec.results, domains, HEAD_TARGETS if sec.head else TARGETS)
             if targets:
                 out += [
                     "",
@@ -283,5 +313,6 @@ def render_markdown(
                     "",
                     *targets,
                 ]
-            out += ["", "All domains together:", "", *_table(sec.results)]
+            if not sec.head:
+                out += ["", "All domains together:", "", *_table(sec.results)]
     return "\n".join(out) + "\n"

@@ -35,6 +35,8 @@ def embedding_report(model: torch.nn.Module) -> dict:
                 "kind": "lm_head" if isinstance(module, ParallelLMHead) else "embedding",
                 "class": type(module).__name__,
                 "method": type(module.quant_method).__name__,
+                # How the plugin's logs name a converted table, by role (None: not converted).
+                "label": getattr(module.quant_method, "label", None),
                 "format": getattr(getattr(module.quant_method, "fmt", None), "name", None),
                 "rows": module.num_embeddings_per_partition,
                 "cols": module.embedding_dim,

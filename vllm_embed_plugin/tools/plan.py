@@ -77,7 +77,9 @@ class PlanRow:
 def plan(
     config: dict, max_model_len: int, tensor_parallel: int = 1, kv_dtype: str | None = None
 ) -> tuple[dict, list[PlanRow]]:
-    """Per-GPU savings of each format for this model (tied tables are stored once)."""
+    """Per-GPU savings of each format for this model (tied tables are stored once). An untied
+    model gets a second row per format, "FMT+head": the embedding and the LM head both in FMT
+    (`head_format`), so both tables' freed bytes count toward the KV cache."""
     rows = -(-config["vocab_size"] // 64) * 64  # vLLM pads the vocabulary to 64
     rows_per_rank = rows // tensor_parallel
     cols = config["hidden_size"]
@@ -94,6 +96,19 @@ def plan(
         result.append(
             PlanRow(name, fmt.describe(cols), packed, freed, tokens, tokens / max_model_len)
         )
+    if not tied:
+        for row in result[1:]:
+            tokens = 2 * row.freed_bytes // kv_per_rank
+            result.append(
+                PlanRow(
+                    f"{row.format}+head",
+                    f"{row.description}; embedding and LM head (head_format={row.format})",
+                    2 * row.table_bytes,
+                    2 * row.freed_bytes,
+                    tokens,
+                    tokens / max_model_len,
+                )
+            )
     info = {
         "table": f"{rows} x {cols}"
         + (f" ({rows_per_rank} rows per rank)" if tensor_parallel > 1 else ""),
