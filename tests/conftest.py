@@ -28,3 +28,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "interpreter" in item.keywords:
             item.add_marker(skip)
+
+
+#: A test that takes longer than this (setup, call and teardown together) gets a line of its
+#: own as it finishes, so a long run (the end-to-end tests: minutes of engines) shows progress.
+SLOW_S = 10.0
+_started = {}
+_spent = {}
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _started["session"] = time.monotonic()
+    _started["reporter"] = session.config.pluginmanager.get_plugin("terminalreporter")
+
+
+def pytest_runtest_logreport(report):
+    import time
+
+    seconds, outcome = _spent.get(report.nodeid, (0.0, "passed"))
+    if report.outcome != "passed":  # failed, or skipped (a skip in setup skips the test)
+        outcome = "FAILED" if report.failed else report.outcome
+    if report.when != "teardown":
+        _spent[report.nodeid] = (seconds + report.duration, outcome)
+        return
+    del _spent[report.nodeid]
+    seconds += report.duration
+    reporter = _started.get("reporter")
+    if seconds >= SLOW_S and reporter is not None:
+        elapsed = int(time.monotonic() - _started["session"])
+        # Under -q the dots have no file prefix, which is all that ensure_newline checks.
+        reporter.ensure_newline()
+        if reporter._tw.width_of_current_line:
+            reporter._tw.line()
+        reporter._tw.line(
+            f"  {report.nodeid}: {outcome} in {seconds:.0f} s "
+            f"({elapsed // 60}:{elapsed % 60:02d} into the run)"
+        )

@@ -191,6 +191,114 @@ def test_demo_quality_figures_from_top_k_logprobs():
     expected = 0.9 * math.log(0.9 / 0.3) + 0.05 * math.log(0.05 / 0.6) + 0.05 * math.log(0.05 / 0.1)
     assert moved["top1_agreement"] == 0.5
     assert math.isclose(moved["mean_kl"], expected / 2)
-    assert "use it" in recommendation("int8", same, tied=True)
-    assert "calibration file" in recommendation("int4", moved, tied=True)
-    assert "GROUP_SIZE=32" in recommendation("int4", moved, tied=False)
+    # A tied model is judged by the format with its calibration file.
+    tied = recommendation("int8", {"int8": moved, "int8 + file": same}, True, "m.safetensors")
+    assert "int8 with a calibration file keeps this model's predictions" in tied
+    assert "VLLM_EMBED_FORMAT=int8 VLLM_EMBED_IMPORTANCE=m.safetensors" in tied
+    assert "Without the file int8 same next token 50.0%, 48.0 points short of 98%" in tied
+    missed = recommendation("int4", {"int4": moved, "int4 + file": moved}, True, "m.safetensors")
+    assert missed.startswith("Recommendation: int4 + file does NOT clear the bar: ")
+    assert f"mean KL {expected / 2:.2e}, {expected / 2 / 1e-3:.1f}x the 1e-03 bar" in missed
+    assert "GROUP_SIZE=32" in recommendation("int4", {"int4": moved}, False, None)
+
+
+def _demo_run(vocab_bytes, kv_tokens, answers, scored):
+    """A probe result as the demo reads it; `answers`: per prompt, [(token, text, logprob,
+    [(other token, text, logprob), ...]), ...]."""
+    return {
+        "texts": ["".join(step[1] for step in answer) for answer in answers],
+        "tokens": [[step[0] for step in answer] for answer in answers],
+        "steps": [
+            [
+                sorted([[t, lp, x], *[[o, olp, ox] for o, ox, olp in rest]], key=lambda e: -e[1])
+                for t, x, lp, rest in answer
+            ]
+            for answer in answers
+        ],
+        "workers": [{"target": {"vocab_bytes": vocab_bytes}}],
+        "kv_cache_tokens": kv_tokens,
+        "scored": scored,
+    }
+
+
+def test_demo_report_shows_each_run_the_bytes_freed_and_where_answers_part():
+    """The demo's printout from three runs: quality over the same positions, the KV tokens the
+    freed bytes buy at the model's own KV bytes per token (not vLLM's CPU figure), and for
+    each answer that parts from BF16's the token and BF16's logprob gap there."""
+    import math
+    import re
+    from pathlib import Path
+
+    from vllm_embed_plugin.tools import demo
+    from vllm_embed_plugin.tools.plan import kv_layout
+
+    # SmolLM2's KV layout, derived from its config: 30 x 2 x 3 x 64 x 2 bytes.
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}
+    layout = kv_layout(config | {"hidden_size": 576, "torch_dtype": "bfloat16"})
+    assert layout.bytes_per_token == 23040
+    n = len(demo.PROMPTS)
+    same = [[(7, "Paris", -0.1, [(8, " Lyon", -3.0)])]] * n
+    near_tie = [(9, "The", -1.72, [(10, "L", -1.97)]), (7, " capital", -0.2, [])]
+    parted = [(10, "L", -0.5, [(9, "The", -0.9)]), (11, "'", -0.3, [])]
+    far = [(9, "The", -0.01, [(12, "A", -6.5)])]
+    away = [(13, "Zut", -0.2, [])]
+    scored = [[[5, math.log(0.9)], [6, math.log(0.05)]]] * 200
+    worse = [[[6, math.log(0.6)], [5, math.log(0.3)]]] * 5 + scored[5:]
+    runs = {
+        "off": _demo_run(56_623_104, 224_256, [near_tie, far, *same[2:]], scored),
+        "int8": _demo_run(29_196_288, 229_888, [parted, away, *same[2:]], worse),
+        "int8 + file": _demo_run(29_196_288, 229_760, [near_tie, far, *same[2:]], scored),
+    }
+    out = demo.report(Path("smollm2"), True, layout, runs, "int8", Path("s.safetensors"), "here")
+    assert "23,040 bytes per token (30 layers x 2 (K and V) x 3 KV heads x 64 x 2 B)" in out
+    assert "against BF16 over the same 200 positions" in out
+    assert re.search(r"int8 +97\.5% +\S+\n  int8 \+ file +100\.0% +0\.00e\+00", out)
+    # The gain credited to the format: bytes freed / KV bytes per token, within 1%.
+    freed = 56_623_104 - 29_196_288
+    memory = out.split("\nmemory:")[1]
+    row = next(x for x in memory.splitlines() if x.strip().startswith("int8 + file ")).split()
+    credited, vllm_change = int(row[-3].replace(",", "")), row[-1]
+    assert int(row[-4].replace(",", "")) == freed
+    assert abs(credited - freed / 23040) <= 0.01 * freed / 23040
+    assert vllm_change == "(+5,504)" and "share of RAM minus the worker's resident" in out
+    assert "int8          6 of 8 the same" in out and "int8 + file   8 of 8 the same" in out
+    assert (
+        "int8          token 1: 'L' where BF16 chose 'The' (BF16 logprobs -1.72 and -1.97: "
+        "a gap of 0.25 nats)"
+    ) in out
+    # A token below BF16's top logprobs: the gap is at least down to the lowest one shown.
+    assert "token 1: 'Zut' where BF16 chose 'The' (BF16: -0.01 against below -6.50" in out
+    assert out.splitlines()[-1].startswith(
+        "Recommendation: int8 with a calibration file keeps this model's predictions"
+    )
+
+
+def test_demo_prompts_are_not_calibration_text():
+    from vllm_embed_plugin.tools import calibrate, demo
+
+    corpus = calibrate.default_corpus().read_text(encoding="utf-8")
+    assert len(demo.PROMPTS) >= 6 and not [p for p in demo.PROMPTS if p in corpus]
+
+
+def test_demo_names_where_its_calibration_file_was_measured(tmp_path):
+    """The shipped file was measured on the calibration corpus; a file measured on the
+    evaluation text is called out (its figures would flatter it)."""
+    import hashlib
+
+    import torch
+
+    from vllm_embed_plugin import importance
+    from vllm_embed_plugin.tools import demo
+    from vllm_embed_plugin.tools.evaluate import HELDOUT_FILES
+    from vllm_embed_plugin.tools.real_models import packaged_importance
+
+    shipped = demo.provenance(packaged_importance("smollm2"))
+    assert shipped.endswith(
+        "positions of the packaged calibration corpus, which shares no text "
+        "with the evaluation text"
+    )
+    digest = hashlib.sha256(HELDOUT_FILES[0].read_bytes()).hexdigest()
+    bad = importance.save(
+        tmp_path / "bad.safetensors", torch.eye(4), {"positions": 9, "corpus_sha256": digest}
+    )
+    assert "THE EVALUATION TEXT ITSELF" in demo.provenance(bad)

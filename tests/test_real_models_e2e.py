@@ -117,3 +117,28 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     assert tables["model.embed_tokens"]["digests"] == expected
     assert digest(plain.codes) != expected["weight"]
     assert greedy_close(run["off"].result, weighted_run.result) == [], weighted_run.result["texts"]
+
+
+def test_freed_bytes_buy_the_kv_tokens_the_demo_credits(runs):
+    """The demo's memory line on real runs: the bytes the worker's tables freed, and the KV
+    tokens they buy at the KV bytes per token derived from the model's config."""
+    import json
+
+    from vllm_embed_plugin.formats import make_format
+    from vllm_embed_plugin.tools.demo import memory_row
+    from vllm_embed_plugin.tools.plan import kv_layout, load_config
+
+    name, run = runs
+    model = prepare(name)
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    assert kv_layout(load_config(model)).bytes_per_token == per_token
+    if name == "smollm2":
+        assert per_token == 30 * 2 * 3 * 64 * 2
+    off, int8 = (run[f].result["workers"][0]["target"]["vocab_bytes"] for f in ("off", "int8"))
+    rows, cols = config["vocab_size"], config["hidden_size"]
+    assert off == rows * cols * 2  # one BF16 table, the tied head sharing it
+    freed, tokens = memory_row(off, int8, per_token)
+    assert freed == rows * cols * 2 - make_format("int8").nbytes(rows, cols)
+    assert tokens == freed // per_token

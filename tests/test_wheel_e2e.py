@@ -95,6 +95,8 @@ def test_wheel_metadata_matches_the_code(wheel):
     ):
         assert part in names
     assert any(n.startswith("vllm_embed_plugin/data/") and n.endswith(".txt") for n in names)
+    # The demo's calibration file for SmolLM2.
+    assert "vllm_embed_plugin/data/importance/smollm2.safetensors" in names
     assert not any(n.startswith("tests/") for n in names)
 
 

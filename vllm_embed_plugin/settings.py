@@ -31,8 +31,8 @@ from .formats import FORMATS, GROUP_SIZES, HOST_FORMATS
 ENV_PREFIX = "VLLM_EMBED_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 #: Variables under the prefix that are not settings of the engine, read elsewhere:
-#: the real models' cache (real_models.py) and the switches that force the torch paths and
-#: direct head launches (kernels/__init__.py, which reads os.environ itself and never
+#: the tools' cache directory (tools/__init__.py) and the switches that force the torch paths
+#: and direct head launches (kernels/__init__.py, which reads os.environ itself and never
 #: imports the settings).
 OTHER_ENV = {ENV_PREFIX + "CACHE", ENV_PREFIX + "NO_TRITON", ENV_PREFIX + "NO_HEAD_GRAPHS"}
 

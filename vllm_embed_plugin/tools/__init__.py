@@ -9,11 +9,24 @@ tool sends it there (`LLM.apply_model`). Here: `cli` (the command),
 `real_models` (the two pretrained models that install from the package registry).
 """
 
+import os
 import sys
 from pathlib import Path
 
-#: The packaged texts: the calibration corpus and the held-out evaluation domains.
+#: The packaged data: the calibration corpus, the held-out evaluation domains, and
+#: calibration files for the real models (data/README.md).
 DATA_DIR = Path(__file__).parent.parent / "data"
+#: Environment variable naming the directory the tools write their caches under.
+CACHE_ENV = "VLLM_EMBED_CACHE"
+
+
+def cache_dir(kind: str) -> Path:
+    """Where the tools keep `kind` ("models": the real models' checkpoints, "importance":
+    `calibrate`'s files): `$VLLM_EMBED_CACHE/kind`, else `~/.cache/vllm-embed-plugin/kind`.
+    Every path the tools write outside a checkout comes from here."""
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "vllm-embed-plugin"
+    return base / kind
 
 
 class ToolError(Exception):

@@ -11,15 +11,19 @@ from pathlib import Path
 
 import torch
 
-from . import DATA_DIR, progress_bar
+from . import DATA_DIR, cache_dir, progress_bar
 
-#: Where `vllm-embed-plugin calibrate` writes by default.
-DEFAULT_DIR = Path.home() / ".cache" / "vllm-embed-plugin" / "importance"
 #: `calibrate`'s defaults: tokens per window, and at most this many tokens in all, in windows
 #: spread evenly over the corpus: the whole packaged corpus (about 10,000 tokens), which
 #: measured better on held-out text than its first 4,096 tokens or more, shorter windows.
 DEFAULT_WINDOW = 512
 DEFAULT_POSITIONS = 16384
+
+
+def default_out(model_dir: Path) -> Path:
+    """Where `vllm-embed-plugin calibrate` writes by default: the cache, named after the model
+    directory."""
+    return cache_dir("importance") / f"{Path(model_dir).name}.safetensors"
 
 
 def default_corpus() -> Path:

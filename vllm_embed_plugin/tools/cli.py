@@ -7,6 +7,7 @@ cannot disagree.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -173,7 +174,9 @@ def cmd_calibrate(args) -> int:
         progress=not args.no_progress,
     )
     meta["corpus"] = str(corpus)
-    out = args.out or calibrate.DEFAULT_DIR / f"{path.name}.safetensors"
+    # Names the exact text measured, so a shipped file can be checked against its corpus.
+    meta["corpus_sha256"] = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    out = args.out or calibrate.default_out(path)
     importance.save(out, moment, meta)
     values = moment.diagonal()
     top = values.topk(min(4, values.numel()))

@@ -64,6 +64,11 @@ def kv_layout(config: dict, kv_dtype: str | None = None) -> KvLayout:
     )
 
 
+def kv_tokens(freed_bytes: int, kv_bytes_per_token: int) -> int:
+    """The KV-cache tokens that `freed_bytes` buy, whole tokens only."""
+    return max(0, freed_bytes) // max(1, kv_bytes_per_token)
+
+
 @dataclass(frozen=True)
 class PlanRow:
     format: str
@@ -92,7 +97,7 @@ def plan(
         fmt = make_format(name)
         packed = fmt.nbytes(rows_per_rank, cols)
         freed = bf16 - packed
-        tokens = freed // kv_per_rank
+        tokens = kv_tokens(freed, kv_per_rank)
         result.append(
             PlanRow(name, fmt.describe(cols), packed, freed, tokens, tokens / max_model_len)
         )

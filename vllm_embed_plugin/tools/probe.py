@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=8, help="0: load the model and report, no generation"
     )
+    parser.add_argument(
+        "--logprobs", type=int, default=5, help="logprobs kept per generated token (at most 20)"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -79,7 +82,7 @@ def main() -> None:
     params = SamplingParams(
         temperature=0,
         max_tokens=max(1, args.max_tokens),
-        logprobs=5,
+        logprobs=args.logprobs,
         detokenize=bool(args.chat or args.text),
     )
     if args.max_tokens == 0:  # load only
@@ -101,6 +104,18 @@ def main() -> None:
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "top5": [
             [sorted(step, key=lambda t: -step[t].logprob)[:5] for step in o.outputs[0].logprobs]
+            for o in outputs
+        ],
+        # Per prompt, per generated token: [token id, logprob, text] of every token vLLM
+        # returned logprobs for (its top `--logprobs` and the one chosen), most likely first.
+        "steps": [
+            [
+                [
+                    [token, entry.logprob, entry.decoded_token]
+                    for token, entry in sorted(step.items(), key=lambda item: -item[1].logprob)
+                ]
+                for step in o.outputs[0].logprobs
+            ]
             for o in outputs
         ],
         "workers": llm.collective_rpc(worker_report),

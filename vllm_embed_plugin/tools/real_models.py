@@ -6,7 +6,7 @@ ordinary Hugging Face directory (BF16 safetensors, tokenizer, config, generation
 vLLM and transformers load like any downloaded model:
 
     from vllm_embed_plugin.tools.real_models import prepare
-    path = prepare("smollm2")          # ~/.cache/vllm-embed-plugin/models/smollm2
+    path = prepare("smollm2")          # ~/.cache/vllm-embed-plugin/models/smollm2 ($VLLM_EMBED_CACHE/models)
 
 The GGUF weights are dequantized by transformers' GGUF loader (needs `transformers`, `gguf` and
 `accelerate`). The resulting table is exactly what the GGUF stored (Q8_0 for both token tables),
@@ -27,19 +27,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ToolError
+from . import CACHE_ENV, DATA_DIR, ToolError, cache_dir
 
 __all__ = [
     "REAL_MODELS",
     "RealModel",
     "RealModelUnavailable",
+    "CACHE_ENV",
     "cache_root",
     "is_available",
+    "packaged_importance",
     "prepare",
 ]
-
-#: Environment variable naming the directory that holds one subdirectory per prepared model.
-CACHE_ENV = "VLLM_EMBED_CACHE"
 #: Written last into every finished checkpoint; says where it came from.
 SOURCE_FILE = "embed_plugin_source.json"
 
@@ -56,6 +55,9 @@ class RealModel:
     vocab_size: int
     hidden_size: int
     tied: bool = True
+    #: A calibration file shipped in the package (data/importance/), made by `calibrate`'s
+    #: defaults on this model's checkpoint; None: none ships.
+    importance: str | None = None
 
     @property
     def pip_command(self) -> str:
@@ -72,6 +74,7 @@ REAL_MODELS: dict[str, RealModel] = {
             "the token table in Q8_0; chat template included",
             vocab_size=49152,
             hidden_size=576,
+            importance="smollm2.safetensors",
         ),
         RealModel(
             name="gemma3-270m",
@@ -170,10 +173,15 @@ def _require(model: RealModel) -> None:
 
 def cache_root() -> Path:
     """Directory holding one subdirectory per prepared model."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "vllm-embed-plugin" / "models"
+    return cache_dir("models")
+
+
+def packaged_importance(name: str) -> Path | None:
+    """The calibration file the package ships for real model `name`, if any."""
+    model = REAL_MODELS.get(name)
+    if model is None or model.importance is None:
+        return None
+    return DATA_DIR / "importance" / model.importance
 
 
 def _is_complete(path: Path) -> bool:
@@ -184,7 +192,7 @@ def prepare(name: str, cache_dir: Path | None = None) -> Path:
     """Return the directory of `name`'s BF16 checkpoint, building it first if it is missing.
 
     `cache_dir` is the directory that holds one subdirectory per model (default:
-    `$VLLM_EMBED_CACHE`, else `~/.cache/vllm-embed-plugin/models`); the checkpoint is
+    `$VLLM_EMBED_CACHE/models`, else `~/.cache/vllm-embed-plugin/models`); the checkpoint is
     `cache_dir / name`.
     Raises `RealModelUnavailable` (with the `pip install` command) when the package is missing.
     """
