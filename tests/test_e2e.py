@@ -229,9 +229,10 @@ def test_importance_file_of_another_model_stops_startup(tmp_path, models):
 def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
     """vLLM's torch.compile on, its compile cache on and shared: BF16, then int8, then int4,
     then int8 again. Each setting compiles its own graph (the plugin's formats are part of
-    vLLM's cache key); the repeated int8 start loads its own, so the key is stable. The repeat
-    also sets head_format, which a tied model does not use: it says so, and the graph is
-    int8's."""
+    vLLM's cache key); the repeated int8 start loads its own, so the key is stable. The int4
+    start also sets head_format, which a tied model does not use: it says so. (The plugin's
+    variables are in vLLM's table of variables, which vLLM hashes into the key too, so the
+    repeat must set exactly int8's.)"""
     import re
 
     model = write_checkpoint(tmp_path / "tied-model", tied=True)
@@ -261,7 +262,7 @@ def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
         if head:
             assert (
                 "target LM head lm_head: tied to the embedding, so it is the embedding's table "
-                "and follows format='int8'; head_format='int4' is not used" in run.log
+                "and follows format='int4'; head_format='int8' is not used" in run.log
             )
     assert dirs["off"][0] and dirs["int8"][0] and dirs["int4"][0], dirs
     assert not (dirs["off"][1] or dirs["int8"][1] or dirs["int4"][1]), dirs
