@@ -944,25 +944,9 @@ def measure_host(args, root: Path, out: dict, log_dir: Path) -> None:
     prefill and KV against BF16. The Qwen3-8B table and head (151,936 x 4,096) on 8 layers, so
     the engines start in about a minute; dummy weights, since nothing here needs a trained
     model (host is lossless: its greedy tokens must equal BF16's)."""
-    from transformers import Qwen3Config
 
     budget = suite_budget(args)
-    path = root / "host-dummy"
-    if not (path / "config.json").exists():
-        Qwen3Config(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=8,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=16384,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ).save_pretrained(path)
+    path = dummy_qwen3(root / "host-dummy", 151936, 4096, 12288, heads=32, pad_token_id=0)
     base = dict(
         model=str(path),
         vocab=151936,
@@ -994,28 +978,35 @@ def measure_host(args, root: Path, out: dict, log_dir: Path) -> None:
         close_all(engines)
 
 
-def measure_eagle(args, root: Path, out: dict, log_dir: Path) -> None:
-    """An EAGLE-3 drafter with dummy weights on a dummy Qwen3 target, BF16 and int8: whether
-    vLLM shares the target's table and head with it (a drafter that loaded no embedding or head
-    of its own). Optional: reported as failed where vLLM cannot run it."""
+def dummy_qwen3(path: Path, vocab: int, hidden: int, ffn: int, heads: int, **extra) -> Path:
+    """An 8-layer untied Qwen3 config (no weights: vLLM's dummy load) at `path`, once."""
     from transformers import Qwen3Config
 
-    vocab, hidden = 151936, 2048
-    target = root / "eagle-target-dummy"
-    if not (target / "config.json").exists():
+    if not (path / "config.json").exists():
         Qwen3Config(
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=6144,
+            intermediate_size=ffn,
             num_hidden_layers=8,
-            num_attention_heads=16,
+            num_attention_heads=heads,
             num_key_value_heads=8,
             head_dim=128,
             max_position_embeddings=16384,
             tie_word_embeddings=False,
             bos_token_id=1,
             eos_token_id=2,
-        ).save_pretrained(target)
+            **extra,
+        ).save_pretrained(path)
+    return path
+
+
+def measure_eagle(args, root: Path, out: dict, log_dir: Path) -> None:
+    """An EAGLE-3 drafter with dummy weights on a dummy Qwen3 target, BF16 and int8: whether
+    vLLM shares the target's table and head with it (a drafter that loaded no embedding or head
+    of its own). Optional: reported as failed where vLLM cannot run it."""
+
+    vocab, hidden = 151936, 2048
+    target = dummy_qwen3(root / "eagle-target-dummy", vocab, hidden, 6144, heads=16)
     head = root / "eagle3-head-dummy"
     head.mkdir(parents=True, exist_ok=True)
     (head / "config.json").write_text(

@@ -36,8 +36,7 @@ class CompactVocabParallelEmbedding(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *args, **kwargs):
         super().__init__(num_embeddings, embedding_dim, *args, **kwargs)
-        if not hasattr(self, "prefix"):  # vLLM keeps it on the layer only from 0.32
-            self.prefix = kwargs.get("prefix", "")
+        _keep_prefix(self, kwargs)
         method = choose_method(self)
         if method is not None:
             self.quant_method = method
@@ -52,8 +51,7 @@ class CompactParallelLMHead(ParallelLMHead):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *args, **kwargs):
         super().__init__(num_embeddings, embedding_dim, *args, **kwargs)
-        if not hasattr(self, "prefix"):  # vLLM keeps it on the layer only from 0.32
-            self.prefix = kwargs.get("prefix", "")
+        _keep_prefix(self, kwargs)
         method = choose_head_method(self)
         if method is not None:
             self.quant_method = method
@@ -68,6 +66,12 @@ class CompactParallelLMHead(ParallelLMHead):
             method.tie_head(self, embed_tokens)
             return self
         return super().tie_weights(embed_tokens)
+
+
+def _keep_prefix(layer: VocabParallelEmbedding, kwargs: dict) -> None:
+    """The layer's weight-name prefix, which logs and rules use to name it."""
+    if not hasattr(layer, "prefix"):  # vLLM keeps it on the layer only from 0.32
+        layer.prefix = kwargs.get("prefix", "")
 
 
 @dataclass(frozen=True)
