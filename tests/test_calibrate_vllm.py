@@ -28,7 +28,7 @@ def test_vllm_engine_measures_the_same_second_moment(tmp_path):
         text=True,
         timeout=600,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "calibrate: 4 windows of 128 tokens, 512 positions" in run.stderr
     assert "Processed prompts" in run.stderr  # vLLM's progress bar
     assert f"VLLM_EMBED_IMPORTANCE={out}" in run.stdout

@@ -194,8 +194,13 @@ def test_packaged_texts_cover_the_domains_and_stay_apart():
     from vllm_embed_plugin.tools import calibrate
 
     domains = evaluate.packaged_domains()
-    assert list(domains) == ["code", "prose", "chat"]
+    assert list(domains) == ["code", "prose", "chat", "de", "ru"]
     assert "def " in domains["code"] and "Assistant:" in domains["chat"]
+    # Two languages beside English, one in a non-Latin script.
+    assert "Sicherung" in domains["de"] and "река" in domains["ru"]
+    assert (
+        sum("\u0400" <= c <= "\u04ff" for c in domains["ru"]) > 0.6 * len(domains["ru"].split()) * 4
+    )
     calibration = calibrate.default_corpus().read_text(encoding="utf-8")
     # Prose, code (Python and others), chat in several languages.
     for sample in (

@@ -72,7 +72,9 @@ DEFAULT_WINDOW = 256
 DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
-HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat"))
+HELDOUT_FILES = tuple(
+    DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat", "de", "ru")
+)
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
