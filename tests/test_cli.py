@@ -302,3 +302,27 @@ def test_demo_names_where_its_calibration_file_was_measured(tmp_path):
         tmp_path / "bad.safetensors", torch.eye(4), {"positions": 9, "corpus_sha256": digest}
     )
     assert "THE EVALUATION TEXT ITSELF" in demo.provenance(bad)
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    import argparse
+
+    from vllm_embed_plugin.tools.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if name not in ("eval", "demo"):  # their own parsers (test_evaluate) read all
+                assert action.help, (name, action.option_strings or action.dest)
+    positions = next(a for a in sub.choices["calibrate"]._actions if a.dest == "positions")
+    assert "a cap" in positions.help and "the count measured is printed" in positions.help
+
+
+def test_calibrate_flags_belong_to_their_engine(capsys):
+    from vllm_embed_plugin.tools.cli import main
+
+    assert main(["calibrate", "no-such-model", "--engine", "vllm", "--device", "cuda"]) == 2
+    assert "--device and --threads belong to --engine transformers" in capsys.readouterr().err
+    assert main(["calibrate", "no-such-model", "-tp", "2"]) == 2
+    assert "belong to --engine vllm" in capsys.readouterr().err

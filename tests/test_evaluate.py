@@ -194,8 +194,13 @@ def test_packaged_texts_cover_the_domains_and_stay_apart():
     from vllm_embed_plugin.tools import calibrate
 
     domains = evaluate.packaged_domains()
-    assert list(domains) == ["code", "prose", "chat"]
+    assert list(domains) == ["code", "prose", "chat", "de", "ru"]
     assert "def " in domains["code"] and "Assistant:" in domains["chat"]
+    # Two languages beside English, one in a non-Latin script.
+    assert "Sicherung" in domains["de"] and "река" in domains["ru"]
+    assert (
+        sum("\u0400" <= c <= "\u04ff" for c in domains["ru"]) > 0.6 * len(domains["ru"].split()) * 4
+    )
     calibration = calibrate.default_corpus().read_text(encoding="utf-8")
     # Prose, code (Python and others), chat in several languages.
     for sample in (
@@ -276,3 +281,59 @@ def test_head_rows_keep_the_lookup_exact_and_render_their_targets(run):
     assert "| format | bpw | plain | reversed | all: KLD mean | KLD p99 | top-1 |" in text
     assert "`int8` + file, head <= 0.9x llama.cpp Q8_0, blocks shifted 16 (head KLD)" in text
     assert "*llama.cpp Q6_K* | n/a (rows of 64 are not a multiple of 256)" in text
+
+
+def test_every_flag_has_help_and_the_default_report_stays_out_of_docs():
+    parser = evaluate.build_parser("vllm-embed-plugin eval")
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    out = parser.parse_args(["--model", "m"]).out
+    assert out == evaluate.DEFAULT_OUT and not out.is_absolute() and out.parts == (out.name,)
+    assert "current directory" in " ".join(parser.format_help().split())
+
+
+def test_two_corpus_files_with_one_stem_are_a_clear_error(tiny_model, tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "chat.txt").write_text(TEXT)
+    a, b = tmp_path / "a" / "chat.txt", tmp_path / "b" / "chat.txt"
+    with pytest.raises(evaluate.ToolError, match=f"--corpus {a} and {b} would both be domain"):
+        evaluate.main(tiny_eval_args(tiny_model, a, tmp_path / "r.md", "--corpus", str(b)))
+    assert not (tmp_path / "r.md").exists()
+
+
+def test_skip_leaves_rows_out_by_key_or_label():
+    rows = evaluate.grid("plugin", 64)
+    kept = [r.key for r in rows if evaluate.selected(r, None, ["int8", "fp8", "Q5_*"])]
+    assert "int8" not in kept and "int8+tied" in kept and "fp8" not in kept
+    assert "Q5_1" not in kept and "Q4_0" in kept and "Q8_0 shifted" in kept
+    full = evaluate.grid("full", 64)
+    kept = [r.label for r in full if evaluate.selected(r, None, ["outlier rows", "llama.cpp"])]
+    assert kept and not any("outlier" in k or "llama.cpp" in k for k in kept)
+    assert [r.label for r in full if evaluate.selected(r, "int6", [])] == ["int6 sym row"]
+
+
+def test_report_rounds_honestly_and_shortens_home(tiny_model, tmp_path, monkeypatch):
+    from vllm_embed_plugin.tools import fidelity_report
+
+    assert fidelity_report.verdict(0.42, 0.6) == "0.42x, met"
+    assert fidelity_report.verdict(1.004, 1.0) == "1.004x, **missed by < 1%**"
+    assert fidelity_report.verdict(0.9049, 0.9) == "0.905x, **missed by < 1%**"
+    assert fidelity_report.verdict(1.08, 0.9) == "1.08x, **missed by 20%**"
+    assert fidelity_report.verdict(0.9, 0.9) == "0.90x, met"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "r.md"
+    assert evaluate.main(tiny_eval_args(tiny_model, corpus, out, "--grid", "quick")) == 0
+    text = out.read_text()
+    assert "`~/corpus.txt`" in text and f"--out {tmp_path}" not in text and "--out ~/r.md" in text
+
+
+def test_lookup_target_compares_the_input_kld_with_the_spread():
+    from vllm_embed_plugin.tools.fidelity_report import lookup_verdict
+
+    plain = evaluate.ModeStats(1.0e-4, 0, 1, (0.8e-4, 1.3e-4))
+    assert lookup_verdict(evaluate.ModeStats(1.4e-4, 0, 1), plain).endswith(", met")
+    assert lookup_verdict(evaluate.ModeStats(1.9e-4, 0, 1), plain).startswith("1.90x plain")
+    assert "**missed**" in lookup_verdict(evaluate.ModeStats(1.9e-4, 0, 1), plain)

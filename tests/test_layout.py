@@ -109,3 +109,18 @@ def test_registering_the_plugin_loads_no_tool():
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_no_tool_module_imports_itself_in_a_circle():
+    """Within the tools too, every import (TYPE_CHECKING ones included) points one way."""
+    tools = PACKAGE / "tools"
+    graph: dict[str, set[str]] = {}
+    for path in tools.glob("*.py"):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                deps.update(n.split(".")[0] for n in names if (tools / f"{n}.py").exists())
+    assert "fidelity_report" in graph["evaluate"]
+    for module in graph:
+        assert module not in _reaches(graph, module), f"tools.{module} imports itself back"

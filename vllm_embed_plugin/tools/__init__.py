@@ -1,10 +1,11 @@
 """Operator tooling: the `vllm-embed-plugin` command line and what it runs.
 
 The plugin's runtime (the package above: settings, layer, method, conversion, formats,
-kernels) never imports this package; only `introspect` enters a vLLM worker, and only when a
-tool sends it there (`LLM.apply_model`). Here: `cli` (the command),
-`plan` (memory and KV-cache arithmetic), `calibrate` (measure a column importance), `evaluate`
-(fidelity of formats against llama.cpp's) and `fidelity_report` (its docs/FIDELITY.md), `demo` and
+kernels) never imports this package; only `introspect` and `calibrate_vllm` enter a vLLM
+worker, and only when a tool sends them there (`LLM.apply_model`). Here: `cli` (the command),
+`plan` (memory and KV-cache arithmetic), `calibrate` (measure a column importance; in a vLLM
+engine: `calibrate_vllm`), `evaluate` (fidelity of formats against llama.cpp's),
+`fidelity_data` (what it measures) and `fidelity_report` (its Markdown report), `demo` and
 `probe` (a real vLLM engine with the plugin off and on), `introspect` (what a worker holds),
 `real_models` (the two pretrained models that install from the package registry).
 """

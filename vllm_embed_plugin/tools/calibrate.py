@@ -7,6 +7,7 @@ state on a text (see `importance.py` for what M is and how formats use it).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -77,6 +78,12 @@ def measure(
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     windows = spread_windows(tokenizer, text, window, max_positions // window)
+    print(
+        f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens, "
+        f"{windows.numel()} positions (--positions {max_positions} is a cap)",
+        file=sys.stderr,
+        flush=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
     body = getattr(model, model.base_model_prefix)
     total = None
@@ -94,5 +101,6 @@ def measure(
         "cols": table.shape[1],
         "positions": windows.numel(),
         "tied": bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)),
+        "engine": "transformers",
     }
     return moment, meta

@@ -156,23 +156,46 @@ def cmd_calibrate(args) -> int:
     from . import calibrate
     from .real_models import resolve
 
+    if args.engine == "vllm" and (args.device is not None or args.threads):
+        raise ToolError("--device and --threads belong to --engine transformers")
+    if args.engine != "vllm" and (
+        args.tensor_parallel_size != 1 or args.max_num_batched_tokens is not None
+    ):
+        raise ToolError(
+            "--tensor-parallel-size and --max-num-batched-tokens belong to --engine vllm"
+        )
     corpus = args.corpus or calibrate.default_corpus()
     if not corpus.is_file():
         raise ToolError(f"--corpus {corpus}: no such file")
     path = resolve(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     window = args.window or calibrate.DEFAULT_WINDOW
     positions = args.positions or calibrate.DEFAULT_POSITIONS
-    moment, meta = calibrate.measure(
-        path,
-        corpus.read_text(encoding="utf-8"),
-        window=window,
-        max_positions=positions,
-        device=args.device,
-        dtype=getattr(torch, args.dtype),
-        progress=not args.no_progress,
-    )
+    text = corpus.read_text(encoding="utf-8")
+    if args.engine == "vllm":
+        from .calibrate_vllm import measure_vllm
+
+        moment, meta = measure_vllm(
+            path,
+            text,
+            window=window,
+            max_positions=positions,
+            dtype=args.dtype or "auto",
+            tensor_parallel_size=args.tensor_parallel_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            progress=not args.no_progress,
+        )
+    else:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        moment, meta = calibrate.measure(
+            path,
+            text,
+            window=window,
+            max_positions=positions,
+            device=args.device or "cpu",
+            dtype=getattr(torch, args.dtype or "float32"),
+            progress=not args.no_progress,
+        )
     meta["corpus"] = str(corpus)
     # Names the exact text measured, so a shipped file can be checked against its corpus.
     meta["corpus_sha256"] = hashlib.sha256(corpus.read_bytes()).hexdigest()
@@ -202,13 +225,9 @@ def cmd_prepare(args) -> int:
 PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
 
 
-def _main(argv: list[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in PASS_THROUGH:
-        key = "eval_args" if argv[0] == "eval" else "demo_args"
-        return PASS_THROUGH[argv[0]](argparse.Namespace(**{key: argv[1:]}))
     parser = argparse.ArgumentParser(prog="vllm-embed-plugin", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"vllm-embed-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,8 +247,19 @@ def _main(argv: list[str] | None) -> int:
         default=None,
         help="the GPU's memory (default: this machine's first GPU, else 24)",
     )
-    plan.add_argument("--max-model-len", type=int, default=8192)
-    plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    plan.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="as vLLM's --max-model-len: the sequence length the extra sequences are counted at",
+    )
+    plan.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="as vLLM's: the KV cache is split over this many GPUs (default 1)",
+    )
     plan.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -273,17 +303,45 @@ def _main(argv: list[str] | None) -> int:
         "--positions",
         type=int,
         default=None,
-        help="tokens to measure on, in windows spread over the whole corpus "
-        "(default 16384: all of the packaged corpus)",
+        help="at most this many tokens, in whole windows spread over the corpus without "
+        "overlap (default 16384, a cap: the packaged corpus holds fewer, so all of it is "
+        "measured, about 10,000 tokens; the count measured is printed)",
     )
     calibrate_cmd.add_argument(
         "--window", type=int, default=None, help="tokens per window (default 512)"
     )
     calibrate_cmd.add_argument(
-        "--device", default="cpu", help="torch device for the forward pass, e.g. cuda"
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="what runs the model: transformers (on --device, default), or a vLLM engine "
+        "on whatever device vLLM runs (a GPU for large models; the plugin is off in it)",
     )
     calibrate_cmd.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"]
+        "--device",
+        default=None,
+        help="torch device for the transformers forward pass, e.g. cuda (default cpu)",
+    )
+    calibrate_cmd.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's dtype in the forward pass (default float32 with transformers, "
+        "the checkpoint's own with vllm)",
+    )
+    calibrate_cmd.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="with --engine vllm: GPUs to split the model over (default 1)",
+    )
+    calibrate_cmd.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="with --engine vllm: as vLLM's; lower it to prefill the windows in smaller chunks "
+        "(less memory)",
     )
     calibrate_cmd.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: all cores)"
@@ -296,8 +354,15 @@ def _main(argv: list[str] | None) -> int:
     )
     prepare.add_argument("name", help="smollm2 or gemma3-270m")
     prepare.set_defaults(func=cmd_prepare)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:
+        key = "eval_args" if argv[0] == "eval" else "demo_args"
+        return PASS_THROUGH[argv[0]](argparse.Namespace(**{key: argv[1:]}))
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import math
 import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +47,8 @@ import torch
 from .. import importance
 from ..convert import row_chunks
 from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
-from . import DATA_DIR, calibrate, progress_bar, real_models, run_command
+from . import DATA_DIR, ToolError, calibrate, progress_bar, real_models, run_command
+from .fidelity_data import Candidate, ModeStats, Result, Roundtrip, mode_stats
 from .fidelity_report import ModelReport, Section, render_markdown
 
 __all__ = [
@@ -71,7 +72,9 @@ DEFAULT_WINDOW = 256
 DEFAULT_WINDOWS = 3
 #: The packaged evaluation texts, one per domain, none of them part of the calibration corpus
 #: (data/README.md).
-HELDOUT_FILES = tuple(DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat"))
+HELDOUT_FILES = tuple(
+    DATA_DIR / "heldout" / f"{name}.txt" for name in ("code", "prose", "chat", "de", "ru")
+)
 #: Columns the "shifted" rows move the block grid by (half a Q8_0 block).
 SHIFT = 16
 #: Bound on each float32 logits chunk [positions, vocab] (several live at once).
@@ -80,28 +83,7 @@ LOGIT_CHUNK_BYTES = 256 << 20
 REFERENCE_CACHE_BYTES = 3 << 30
 
 
-#: One lossy copy of a float32 table: (table [rows, cols], second moment M [cols, cols] of the
-#: final hidden state, see importance.py) -> table.
-Roundtrip = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 # -- rows of the table -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One row: a way to make the lossy copy of a table with `cols` columns."""
-
-    label: str
-    #: Stored bits per weight (scales, minimums and side tables included); None if n/a.
-    bpw: float | None
-    #: None when the format cannot store this table (`note` says why).
-    roundtrip: Roundtrip | None
-    #: "plugin", "llama.cpp" or "experiment".
-    kind: str = "plugin"
-    note: str = ""
-    #: What the targets name this row by ("int4", "int4+tied", "Q4_0", ...), or "".
-    key: str = ""
 
 
 def _roll(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -391,67 +373,6 @@ SECTIONS = {
 # -- measurement -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModeStats:
-    kld_mean: float
-    kld_p99: float
-    top1: float
-    #: Mean KLD of each window, in order: the spread of the figure across texts.
-    window_klds: tuple[float, ...] = ()
-
-    @property
-    def spread(self) -> tuple[float, float]:
-        """(lowest, highest) mean KLD of one window."""
-        return (
-            (min(self.window_klds), max(self.window_klds))
-            if self.window_klds
-            else (self.kld_mean, self.kld_mean)
-        )
-
-    @property
-    def kld_std(self) -> float:
-        """Standard deviation of the window means (0 for one window)."""
-        return float(torch.tensor(self.window_klds).std()) if len(self.window_klds) > 1 else 0.0
-
-
-def mode_stats(
-    kld: torch.Tensor, agree: torch.Tensor, bounds: Sequence[tuple[int, int]]
-) -> ModeStats:
-    """Statistics of per-position KLDs and top-1 agreements over the windows at `bounds`
-    ((start, end) positions, in order; together they cover what is summarised)."""
-    kld = torch.cat([kld[s:e] for s, e in bounds])
-    agree = torch.cat([agree[s:e] for s, e in bounds])
-    return ModeStats(
-        kld.mean().item(),
-        torch.quantile(kld, 0.99).item(),
-        agree.float().mean().item(),
-        tuple(kld_w.mean().item() for kld_w in torch.split(kld, [e - s for s, e in bounds])),
-    )
-
-
-#: What a Result measures, in the order of its per-domain tuples.
-MODES = ("input", "tied", "head")
-
-
-@dataclass(frozen=True)
-class Result:
-    candidate: Candidate
-    #: Over every window of every domain.
-    input: ModeStats | None = None
-    tied: ModeStats | None = None
-    seconds: float = 0.0
-    #: domain -> (input, tied) over that domain's windows, or (None, None, head) for a row
-    #: measured as an untied head (`FidelityRun.evaluate_head`).
-    domains: dict = dataclasses.field(default_factory=dict)
-    #: The lookup exact, the lossy table computing the logits (an untied LM head).
-    head: ModeStats | None = None
-
-    def domain(self, name: str, mode: str) -> ModeStats | None:
-        stats = self.domains.get(name, ())
-        index = MODES.index(mode)
-        return stats[index] if index < len(stats) else None
-
-
 def packaged_domains() -> dict[str, str]:
     """The held-out evaluation texts shipped with the package, by domain name."""
     return {path.stem: path.read_text(encoding="utf-8") for path in HELDOUT_FILES}
@@ -677,9 +598,10 @@ def evaluate_model(
     windows: int = DEFAULT_WINDOWS,
     second_moment: torch.Tensor | None = None,
     only: str | None = None,
+    skip: Sequence[str] = (),
     progress: bool = True,
 ) -> ModelReport:
-    """Evaluate every section of `grid_name` (rows whose label contains `only`, if given) on
+    """Evaluate every section of `grid_name` (the rows `selected(row, only, skip)` keeps) on
     `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
     when None, measured on the packaged calibration corpus as `calibrate` does by default."""
     path = real_models.resolve(model)
@@ -695,7 +617,7 @@ def evaluate_model(
             degrid_table=degridded,
             progress=progress,
         )
-        rows = [c for c in grid(rows_name, run.cols) if only is None or only in c.label]
+        rows = [c for c in grid(rows_name, run.cols) if selected(c, only, skip)]
         results = []
         measure = run.evaluate_head if rows_name in HEAD_GRIDS else run.evaluate
         for i, cand in enumerate(rows):
@@ -748,11 +670,11 @@ def _need_file(parser: argparse.ArgumentParser, path: Path | None, flag: str) ->
         parser.exit(2, f"error: {flag} {path}: no such file\n")
 
 
-def main(
-    argv: Sequence[str] | None = None, prog: str = "python -m vllm_embed_plugin.tools.evaluate"
-) -> int:
-    """The command line; `prog` is how the command that was run is written into the report."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+#: Where `eval` writes without `--out`: the current directory, never a package's docs.
+DEFAULT_OUT = Path("fidelity-report.md")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
@@ -765,8 +687,9 @@ def main(
         type=Path,
         action="append",
         default=None,
-        help="plain text to measure on, one domain per file (repeatable; default: "
-        "the packaged held-out code, technical prose and chat)",
+        help="plain text to measure on, one domain per file, named by the file's stem (so two "
+        "files need different stems); repeatable (default: the packaged held-out domains, "
+        f"{', '.join(p.stem for p in HELDOUT_FILES)})",
     )
     parser.add_argument(
         "--importance",
@@ -775,20 +698,87 @@ def main(
         help="a calibration file from `vllm-embed-plugin calibrate` (default: "
         "measured here on the packaged calibration corpus, as calibrate does)",
     )
-    parser.add_argument("--grid", default="plugin", choices=tuple(SECTIONS))
-    parser.add_argument("--only", default=None, help="evaluate only rows whose label contains this")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window")
+    parser.add_argument(
+        "--grid",
+        default="plugin",
+        choices=tuple(SECTIONS),
+        help="which rows: plugin (the shipped formats, plain and with a file, beside the "
+        "llama.cpp formats of the targets; default), quick (a smoke test), anchors (llama.cpp "
+        "and the plain formats), full (every candidate and experiment, and the 8-bit class on a "
+        "de-gridded table)",
+    )
+    parser.add_argument(
+        "--only", default=None, help="evaluate only rows whose label contains this text"
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="ROW",
+        help="leave out rows: a shell pattern matched against the row's key in the plugin grid "
+        "(int8, int8+tied, 'int4*', fp8, Q5_1, Q4_0, 'Q8_0 shifted'), against the label of "
+        "rows in the other grids; repeatable",
+    )
+    parser.add_argument(
+        "--window", type=int, default=DEFAULT_WINDOW, help=f"tokens per window ({DEFAULT_WINDOW})"
+    )
     parser.add_argument(
         "--windows",
         type=int,
         default=DEFAULT_WINDOWS,
-        help="windows spread over each domain's text",
+        help=f"windows spread over each domain's text ({DEFAULT_WINDOWS}; fewer if a text is "
+        "shorter than that many windows: windows never overlap)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: all cores)"
     )
-    parser.add_argument("--out", type=Path, default=Path("docs/FIDELITY.md"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"the Markdown report to write, rewritten after every model (default: ./{DEFAULT_OUT} "
+        "in the current directory)",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars or per-row lines on stderr",
+    )
+    return parser
+
+
+def corpus_domains(paths: Sequence[Path]) -> dict[str, str]:
+    """Domain name (the file's stem) -> text; raises ToolError if two files share a stem."""
+    domains: dict[str, str] = {}
+    first: dict[str, Path] = {}
+    for path in paths:
+        if path.stem in first:
+            raise ToolError(
+                f"--corpus {first[path.stem]} and {path} would both be domain {path.stem!r}; "
+                "domains are named by the file's stem: rename one"
+            )
+        first[path.stem] = path
+        domains[path.stem] = path.read_text(encoding="utf-8")
+    return domains
+
+
+def selected(candidate: Candidate, only: str | None, skip: Sequence[str]) -> bool:
+    """Whether `--only` and `--skip` keep this row. A `--skip` pattern is matched against a
+    row's target key (`int8` leaves `int8+tied` in), against the label of a row without one."""
+    if only is not None and only not in candidate.label:
+        return False
+    return not any(
+        fnmatch.fnmatchcase(candidate.key, p) if candidate.key else p in candidate.label
+        for p in skip
+    )
+
+
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m vllm_embed_plugin.tools.evaluate"
+) -> int:
+    """The command line; `prog` is how the command that was run is written into the report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     for path in args.corpus or ():
         _need_file(parser, path, "--corpus")
@@ -799,10 +789,10 @@ def main(
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.corpus:
-        domains = {path.stem: path.read_text(encoding="utf-8") for path in args.corpus}
+        domains = corpus_domains(args.corpus)
         shown = ", ".join(
-            f"`{path}` ({len(text.split())} words)"
-            for path, text in zip(args.corpus, domains.values())
+            f"{name} (`{path}`, {len(text.split())} words)"
+            for (name, text), path in zip(domains.items(), args.corpus)
         )
     else:
         domains = packaged_domains()
@@ -835,6 +825,7 @@ def main(
                 windows=args.windows,
                 second_moment=second_moment,
                 only=args.only,
+                skip=args.skip,
                 progress=not args.no_progress,
             )
         )
