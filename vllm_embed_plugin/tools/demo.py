@@ -126,8 +126,9 @@ def calibration_file(name: str, model: Path) -> Path:
     """A calibration file for the tied model `model` (given as `name`): the one the package
     ships for it, else `calibrate`'s default output if it exists, else measured now by the
     project's own `calibrate` with its defaults (and kept there for the next run)."""
+    import subprocess
+
     from .calibrate import default_out
-    from .cli import main as cli_main
     from .real_models import packaged_importance
 
     shipped = packaged_importance(name)
@@ -136,7 +137,10 @@ def calibration_file(name: str, model: Path) -> Path:
     cached = default_out(model)
     if not cached.is_file():
         print(f"measuring a calibration file for {model.name} (once, then cached) ...", flush=True)
-        if cli_main(["calibrate", str(model), "--no-progress"]) != 0:
+        # The command line's own calibrate, in a process of its own (as the probes run), so
+        # the demo does not import the CLI that imports it.
+        command = [sys.executable, "-m", "vllm_embed_plugin.tools.cli", "calibrate", str(model)]
+        if subprocess.run([*command, "--no-progress"]).returncode != 0:
             raise RuntimeError(f"calibrate {model} failed")
     return cached
 
