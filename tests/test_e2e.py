@@ -239,7 +239,7 @@ def test_compile_cache_never_serves_a_graph_built_for_other_settings(tmp_path):
     cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_DISABLE_COMPILE_CACHE": "0"}
     dirs = {}
     for name, fmt in [("off", "off"), ("int8", "int8"), ("int4", "int4"), ("int8-again", "int8")]:
-        head = {"VLLM_EMBED_HEAD_FORMAT": "int4"} if name == "int8-again" else {}
+        head = {"VLLM_EMBED_HEAD_FORMAT": "int8"} if name == "int4" else {}
         run = run_engine(
             tmp_path,
             name,

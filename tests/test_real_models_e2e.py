@@ -97,7 +97,7 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     assert weighted_run.returncode == 0, weighted_run.log[-3000:]
     assert (
         "int5 (5-bit affine, group 32, importance-weighted scales, 6.00 bits/weight), rows rounded "
-        "jointly for the tied head (GPTQ)"
+        "jointly for the logits (GPTQ)"
     ) in weighted_run.log
     tables = {t["name"]: t for t in weighted_run.result["workers"][0]["target"]["tables"]}
     assert tables["lm_head"]["method"] == "TiedHeadMethod"
