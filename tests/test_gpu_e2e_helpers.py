@@ -2,7 +2,9 @@
 themselves need a GPU)."""
 
 import importlib.util
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,22 +59,33 @@ def test_unique_table_bytes_counts_a_shared_storage_once_and_host_tables_never()
     assert gpu_e2e.unique_table_bytes(ready) == 64 + 8
 
 
-def test_acceptance_is_the_difference_of_two_counter_readings():
-    before = {
-        "num_draft_tokens": 30,
-        "num_accepted_tokens": 20,
-        "num_accepted_tokens_per_pos": [9, 7, 4],
-    }
-    after = {
-        "num_draft_tokens": 330,
-        "num_accepted_tokens": 260,
-        "num_accepted_tokens_per_pos": [99, 90, 71],
-    }
+def test_acceptance_reads_what_spec_counters_records():
+    """The counters go through spec_counters as vLLM reports them (names with the 'vllm:'
+    prefix, a vector for the per-position counts), so the two helpers agree on the keys."""
+
+    def llm(drafts: int, accepted: int, per_pos: list[int]):
+        metrics = [
+            SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=drafts),
+            SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+            SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+            SimpleNamespace(name="vllm:num_requests_running", value=3),
+        ]
+        return SimpleNamespace(get_metrics=lambda: metrics)
+
+    before = gpu_e2e.spec_counters(llm(30, 20, [9, 7, 4]))
+    after = gpu_e2e.spec_counters(llm(330, 260, [99, 90, 71]))
     got = gpu_e2e.acceptance(before, after)
     assert got["draft_tokens"] == 300 and got["accepted_tokens"] == 240
     assert got["rate"] == pytest.approx(0.8)
     assert got["accepted_per_position"] == [90, 83, 67]
     assert gpu_e2e.acceptance({}, {})["rate"] is None
+
+
+def test_the_dummy_qwen3_config_is_a_generating_model(tmp_path):
+    path = gpu_e2e.dummy_qwen3(tmp_path / "q", 1024, 64, 128, heads=4)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]  # else vLLM starts a pooling engine
+    assert config["tie_word_embeddings"] is False
 
 
 def test_kv_gain_and_the_summary_table():
