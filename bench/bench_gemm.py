@@ -380,8 +380,38 @@ def bench_table(
     return md, results
 
 
+def dispatch_markdown() -> str:
+    """`triton_linear.ROUTES` as the Markdown table docs/BENCHMARKS.md shows (a test keeps the
+    two equal): one line per route, first match wins."""
+    lines = [
+        "| # | M up to | formats | kernel | shape | why (H200 sweep, ratio to BF16 cuBLAS) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, route in enumerate(triton_linear.ROUTES, 1):
+        cfg = route.config
+        shape = ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "KIND")
+        if route.tile:
+            shape += f", T={route.tile}/P"
+        formats = ", ".join(route.formats)
+        if route.min_cols:
+            formats += f" (rows of {route.min_cols}+)"
+        lines.append(
+            f"| {i} | {route.max_m} | {formats} | {cfg['KIND']} | {shape or '-'} | {route.why} |"
+        )
+    lines.append(
+        f"| {len(triton_linear.ROUTES) + 1} | any | all | cublas | CHUNK_BYTES=96 MiB, "
+        "OVERLAP at M <= 1024 | the rest: compute-bound, cuBLAS on dequantized chunks |"
+    )
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="print the M dispatch (triton_linear.ROUTES) as Markdown and exit; no GPU",
+    )
     ap.add_argument(
         "--sweep", action="store_true", help="also time candidate configs, report the best"
     )
@@ -395,6 +425,9 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip vLLM's Marlin and Machete")
     ap.add_argument("--wide", action="store_true", help="a larger grid of word-tile candidates")
     args = ap.parse_args()
+    if args.dispatch:
+        print(dispatch_markdown())
+        return 0
     global WIDE
     WIDE = args.wide
     t0 = time.time()

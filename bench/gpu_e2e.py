@@ -650,6 +650,7 @@ def accept_run(llm, vocab: int, request: dict) -> dict:
 
 def acceptance(before: dict, after: dict) -> dict:
     """Draft tokens proposed and accepted between two readings of vLLM's counters."""
+
     # spec_counters keys are vLLM's metric names without the "vllm:" prefix.
     def delta(key: str) -> int:
         return (after.get(f"spec_decode_{key}") or 0) - (before.get(f"spec_decode_{key}") or 0)

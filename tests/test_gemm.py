@@ -7,6 +7,7 @@ same bits every call."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,32 @@ def test_gpu_gemm_in_a_cuda_graph(cfg):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, x.float() @ wd.T) < 1e-2, m
+
+
+def test_the_dispatch_table_in_the_docs_is_the_code():
+    """docs/BENCHMARKS.md shows `triton_linear.ROUTES` as `bench_gemm.py --dispatch` prints it."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_gemm", root / "bench/bench_gemm.py")
+        bench_gemm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench_gemm)
+    finally:
+        sys.path.remove(str(root / "bench"))
+    doc = (root / "docs/BENCHMARKS.md").read_text()
+    start = doc.index("<!-- dispatch table: bench/bench_gemm.py --dispatch -->\n")
+    end = doc.index("\n<!-- end of dispatch table -->")
+    assert doc[start:end].split("\n", 1)[1] == bench_gemm.dispatch_markdown()
+
+
+def test_every_format_and_m_has_a_route():
+    """The dispatch answers every M with a known kernel; M = 1 always takes the word kernel."""
+    from vllm_embed_plugin.kernels.triton_linear import linear_config
+
+    for bits, fp8 in ((4, False), (5, False), (6, False), (8, False), (8, True)):
+        assert linear_config(1, 1000, 2560, bits, fp8)["KIND"] == "gemv"
+        for m in (2, 16, 17, 64, 65, 128, 129, 200, 256, 257, 4096):
+            assert linear_config(m, 1000, 2560, bits, fp8)["KIND"] in ("wdot", "tiles", "cublas")

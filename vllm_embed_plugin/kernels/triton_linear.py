@@ -40,6 +40,7 @@ logits (relative error about 2e-3 against x @ dequant(W)^T in float32).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -951,45 +952,77 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
         return None
 
 
+@dataclass(frozen=True)
+class Route:
+    """One row of the M dispatch: up to MAX_M rows of x, on the formats named (and tables of
+    at least MIN_COLS columns), run CONFIG. TILE: the weights a word tile spans in one row (its
+    T is TILE // P for a format of P values per block). WHY: what the H200 sweep measured."""
+
+    max_m: int
+    formats: tuple[str, ...]
+    config: dict
+    why: str
+    min_cols: int = 0
+    tile: int = 0
+
+
+def _gemv(bn: int, xperm: bool) -> dict:
+    return dict(KIND="gemv", BM=1, BN=bn, num_warps=4, num_stages=1, XPERM=xperm)
+
+
+def _wdot(bm: int, bn: int, warps: int, stages: int, **flags) -> dict:
+    return dict(KIND="wdot", BM=bm, BN=bn, num_warps=warps, num_stages=stages, **flags)
+
+
+TILES = dict(KIND="tiles")
+
+#: The M dispatch: the first row that takes (M, format, width) wins; docs/BENCHMARKS.md
+#: explains it row by row. Ratios to BF16 cuBLAS in the same run (`bench/bench_gemm.py
+#: --sweep`, tables 262144 x 2560 and 151936 x 4096). M that no row takes goes to cuBLAS.
+ROUTES = (
+    Route(1, ("int4",), _gemv(32, True), "32 rows a program, x permuted", tile=512),
+    Route(1, ("int8",), _gemv(32, True), "as int4, on rows of 4096+", min_cols=4096, tile=512),
+    Route(1, ("int8", "fp8"), _gemv(16, True), "16 rows a program, x permuted", tile=256),
+    Route(1, ("int5", "int6"), _gemv(16, False), "8-16 pieces read x from L1 faster as is",
+          tile=256),
+    Route(16, ("fp8",), _wdot(16, 128, 4, 3), "no per-weight scale: 0.65-0.67x against "
+          "0.76-0.80x for 'tiles'", tile=128),
+    Route(16, ("int5",), _wdot(16, 128, 4, 1), "1.68-1.76x against 1.81-2.07x for one dot per "
+          "piece", tile=128),
+    Route(16, ("int8",), _wdot(16, 64, 4, 3, GPOST=True), "group scale after the dot: 0.70x "
+          "against 0.78-0.83x for 'tiles'", tile=128),
+    Route(16, ("int4", "int6"), TILES, "the generic tiles: int4 0.67-0.70x, int6 1.66-1.71x "
+          "(262144 x 2560)"),
+    Route(64, ("int8",), _wdot(64, 128, 4, 1, SWAP=False), "x on the left, one stage: "
+          "0.96-1.00x against 1.01-1.23x (3 stages)", tile=128),
+    Route(64, ("int5", "int6"), _wdot(64, 64, 4, 1), "2.0-2.9x against 2.9-3.1x for cuBLAS",
+          tile=128),
+    Route(64, ("int4", "fp8"), TILES, "the generic tiles: int4 0.97x, fp8 0.92x at M = 64"),
+    Route(128, ("fp8",), _wdot(128, 256, 8, 3, SWAP=False), "1.26-1.38x against 1.33-1.49x for "
+          "'tiles'", tile=64),
+    Route(128, ("int8",), _wdot(128, 128, 8, 3, SWAP=False), "1.30-1.47x against 2.71-2.77x for "
+          "cuBLAS", tile=64),
+    Route(128, ("int4",), TILES, "the generic tiles: 1.31x at M = 128"),
+    Route(256, ("int4", "int8"), _wdot(256, 64, 8, 3, SWAP=False), "every row of x in one "
+          "tile, each weight decoded once: 1.56-1.71x against 1.78-1.87x ('tiles') and "
+          "2.06-2.08x (cuBLAS, int8)", tile=64),
+    Route(256, ("fp8",), _wdot(256, 64, 4, 3, SWAP=False), "as int4 and int8, 4 warps", tile=64),
+)
+
+
 def linear_config(m: int, n: int, cols: int, bits: int, fp8: bool = False) -> dict:
-    """The kernel and its shape for m rows of x: the fastest of the candidates that
-    `bench/bench_gemm.py --sweep` timed on an H200 (tables 262144 x 2560 and 151936 x 4096,
-    docs/BENCHMARKS.md). KIND: 'gemv' (word kernel on CUDA cores, one row of x), 'wdot'
-    (word tiles in column order, one tensor-core dot per tile, x's rows masked up to BM),
-    'tiles' (the generic tile kernels), 'cublas' (dequantize CHUNK_BYTES of rows at a time,
-    multiply with cuBLAS). 'rows' and 'mma' are kept as options the sweep compares."""
-    u, p = _block_shape(bits)
-    if m == 1:
-        if bits == 4 or (bits == 8 and not fp8 and cols >= 4096):
-            return dict(KIND="gemv", BM=1, BN=32, T=512 // p, num_warps=4, num_stages=1, XPERM=True)
-        # 8-bit (int8, fp8): x permuted; 5/6-bit: 8-16 pieces read x from L1 faster as is
-        return dict(KIND="gemv", BM=1, BN=16, T=max(1, 256 // p), num_warps=4, num_stages=1,
-                    XPERM=bits in (4, 8))
-    if m <= 16:
-        if fp8:  # no per-weight scale: 0.65-0.67x against 0.76-0.80x for 'tiles'
-            return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=3)
-        if bits == 5:  # 1.68-1.76x against 1.81-2.07x for one dot per piece
-            return dict(KIND="wdot", BM=16, BN=128, T=128 // p, num_warps=4, num_stages=1)
-        if bits == 8:  # group scale after the dot: 0.70x against 0.78-0.83x for 'tiles'
-            return dict(KIND="wdot", BM=16, BN=64, T=128 // p, num_warps=4, num_stages=3, GPOST=True)
-        return dict(KIND="tiles")
-    if m <= 64:
-        if bits == 8 and not fp8:  # x on the left, one stage: 0.96-1.00x against 1.01-1.23x (3 stages)
-            return dict(KIND="wdot", BM=64, BN=128, T=128 // p, num_warps=4, num_stages=1, SWAP=False)
-        if bits in (5, 6):  # 2.0-2.9x against 2.9-3.1x for cuBLAS
-            return dict(KIND="wdot", BM=64, BN=64, T=128 // p, num_warps=4, num_stages=1)
-        return dict(KIND="tiles")
-    if m <= 128 and bits in (4, 8):  # x on the left, 128 rows
-        if fp8:  # 1.26-1.38x against 1.33-1.49x for 'tiles'
-            return dict(KIND="wdot", BM=128, BN=256, T=64 // p, num_warps=8, num_stages=3, SWAP=False)
-        if bits == 8:  # 1.30-1.47x against 2.71-2.77x for cuBLAS
-            return dict(KIND="wdot", BM=128, BN=128, T=64 // p, num_warps=8, num_stages=3, SWAP=False)
-        return dict(KIND="tiles")
-    if m <= 256 and bits in (4, 8):
-        # All rows of x in one 256-row tile, x on the left, so each weight is decoded once:
-        # 1.56-1.71x against 1.78-1.87x ('tiles') and 2.06-2.08x (cuBLAS, int8).
-        return dict(KIND="wdot", BM=256, BN=64, T=64 // p, num_warps=4 if fp8 else 8, num_stages=3,
-                    SWAP=False)
+    """The kernel and its shape for m rows of x: the first of ROUTES that takes this m, format
+    and width, else cuBLAS on dequantized chunks. KIND: 'gemv' (word kernel on CUDA cores, one
+    row of x), 'wdot' (word tiles in column order, one tensor-core dot per tile, x's rows
+    masked up to BM), 'tiles' (the generic tile kernels), 'cublas' (dequantize CHUNK_BYTES of
+    rows at a time, multiply with cuBLAS). 'rows' and 'mma' are kept as options the sweep
+    compares."""
+    name = "fp8" if fp8 else f"int{bits}"
+    for route in ROUTES:
+        if m <= route.max_m and name in route.formats and cols >= route.min_cols:
+            if not route.tile:
+                return dict(route.config)
+            return dict(route.config, T=max(1, route.tile // _block_shape(bits)[1]))
     return dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=m <= 1024)
 
 
