@@ -907,6 +907,15 @@ def measure_mtp_suite(args, root: Path, out: dict, log_dir: Path) -> None:
         close_all(engines)
 
 
+def draft_alias(target: Path) -> Path:
+    """The same checkpoint under another name (a symlink beside it), so that the allowlist
+    (`VLLM_EMBED_MODELS`) converts the drafter alone."""
+    draft = target.with_name(target.name + "-as-draft")
+    if not draft.exists():
+        draft.symlink_to(target.name)
+    return draft
+
+
 def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
     """Draft model = target (`draft_model`), only the drafter converted: its acceptance against
     the BF16 target, for the drafter in BF16, int8 and int4. A tied checkpoint with
@@ -918,10 +927,7 @@ def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -
         else dict(vocab=151936, hidden=2048, layers=8, tied=True)
     )
     target = build_model(root, "selfdraft-quick" if args.quick else "selfdraft", spec)
-    # The same checkpoint under another name, so the allowlist converts the drafter alone.
-    draft = target.with_name(target.name + "-as-draft")
-    if not draft.exists():
-        draft.symlink_to(target.name)
+    draft = draft_alias(target)
     base = dict(
         model=str(target),
         vocab=spec["vocab"],
