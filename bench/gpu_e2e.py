@@ -947,7 +947,8 @@ def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -
     engines = start_suite_engines("selfdraft", base, configs, log_dir, results)
     try:
         for fmt, engine in engines.items():
-            run = engine.ask({"op": "accept", "prompts": 16, "tokens": 64}, "accept")
+            request = {"op": "accept", "prompts": args.accept_prompts, "tokens": 64}
+            run = engine.ask(request, "accept")
             results[fmt]["acceptance"] = acceptance(run["before"], run["after"])
             results[fmt]["tokens"] = run["tokens"]
             print(f"[selfdraft] {fmt}: acceptance {results[fmt]['acceptance']}", flush=True)
@@ -1286,6 +1287,12 @@ def main() -> int:
         default="",
         help="formats the mtp, selfdraft or host suite starts, instead of its own list (a "
         "subset fits a shorter device call; KV gains need 'off' in the same or an earlier run)",
+    )
+    parser.add_argument(
+        "--accept-prompts",
+        type=int,
+        default=16,
+        help="selfdraft: prompts of 64 greedy tokens each that acceptance is counted over",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")
