@@ -91,7 +91,7 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
     table = quantize_table(torch.randn(40, cols) * 0.02, fmt)
     seen = []
     monkeypatch.setattr(
-        triton_linear, "_linear_words", lambda *args: seen.append(dict(args[-1])) or args[-2]
+        triton_linear, "linear_words", lambda *args: seen.append(dict(args[-1])) or args[-2]
     )
     x = torch.randn(4, cols).half()
     assert triton_linear.linear_config(4, 40, cols, 8).get("GPOST")  # the heuristic's flag

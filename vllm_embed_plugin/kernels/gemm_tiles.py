@@ -1,0 +1,343 @@
+"""The generic tile kernels of the head GEMM ("tiles", the fallback of every format and
+width): codes read through the lookup's chunk unpacker (8- and 4-bit codes split in
+registers), tensor cores on the transposed product for small M, classic tiles for larger M,
+and the CUDA-core GEMV for one row of x. `triton_linear` chooses between these and the word
+kernels (`gemm_words`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import PackedRows, TableFormat
+from .triton_lookup import dequant_chunks, units_of
+
+
+@triton.jit
+def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                 rn_safe, scale_stride, srow, mrow,
+                 BN: tl.constexpr, NKC: tl.constexpr, FAST: tl.constexpr,
+                 BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                 HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr):
+    """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
+    value, or 4-bit codes as bytes split into nibbles, with group scales broadcast over
+    [BN, groups, GROUP] (GROUP a power of two dividing the tile); otherwise the generic
+    chunk path of the lookup."""
+    BK: tl.constexpr = NKC * 8
+    if FAST:
+        if GROUP == 0:
+            scale = srow
+            mn = mrow
+        else:
+            NG: tl.constexpr = BK // GROUP
+            g = kc * 8 // GROUP + tl.arange(0, NG)
+            soff = rn_safe[:, None] * scale_stride + g[None, :]
+            scale = tl.load(scales_ptr + soff).to(tl.float32)[:, :, None]
+            if HAS_MIN:
+                mn = tl.load(mins_ptr + soff).to(tl.float32)[:, :, None]
+            else:
+                mn = scale
+        if BITS == 8:
+            # Byte pairs split in registers: a plain byte tile would be re-laid out by Triton
+            # to match the accumulator and lose its 16-byte loads.
+            k = kc * 4 + tl.arange(0, BK // 2)
+            pairs = codes8_ptr.to(tl.pointer_type(tl.uint16))
+            raw = tl.load(pairs + row_off8 // 2 + k[None, :]).to(tl.int32)
+            lo = raw & 255
+            hi = raw >> 8
+            if FP8:
+                v = tl.interleave(lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                                  hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
+            else:
+                if SIGNED:
+                    lo = (lo ^ 128) - 128
+                    hi = (hi ^ 128) - 128
+                v = tl.interleave(lo, hi).to(tl.float32)
+        else:  # 4-bit: two values per byte, low nibble first
+            k = kc * 4 + tl.arange(0, BK // 2)
+            raw = tl.load(codes8_ptr + row_off8 + k[None, :]).to(tl.int32)
+            lo = raw & 15
+            hi = raw >> 4
+            if SIGNED:
+                lo = (lo ^ 8) - 8
+                hi = (hi ^ 8) - 8
+            v = tl.interleave(lo, hi).to(tl.float32)
+        if POST_SCALE:
+            res = v.to(DT)
+        elif GROUP == 0:
+            v = v * scale
+            if HAS_MIN:
+                v = v + mn
+            res = v.to(DT)
+        else:
+            v3 = tl.reshape(v, [BN, BK // GROUP, GROUP]) * scale
+            if HAS_MIN:
+                v3 = v3 + mn
+            res = tl.reshape(v3, [BN, BK]).to(DT)
+        return res
+    else:
+        chunk = kc + tl.arange(0, NKC)
+        if GROUP == 0:
+            scale = srow
+            mn = mrow
+        else:
+            soff = rn_safe[:, None] * scale_stride + ((chunk * 8) // GROUP)[None, :]
+            scale = tl.load(scales_ptr + soff, mask=cmask, other=0).to(tl.float32)
+            if HAS_MIN:
+                mn = tl.load(mins_ptr + soff, mask=cmask, other=0).to(tl.float32)
+            else:
+                mn = scale
+        return dequant_chunks(units_ptr, row_off, chunk[None, :], cmask, scale, mn,
+                              BITS, U, UNIT_BITS, SIGNED, FP8, not POST_SCALE, HAS_MIN, DT)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
+                   M, N, cols, nchunk, k_chunks_per_split, stride_xm, code_stride, code8_stride,
+                   scale_stride, stride_om, stride_split,
+                   BM: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, SWAP: tl.constexpr,
+                   SPLIT: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr,
+                   BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                   GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
+    row_off = rn_safe[:, None] * code_stride
+    row_off8 = rn_safe[:, None] * code8_stride
+    xdt = x_ptr.dtype.element_ty
+    srow = tl.zeros([BN, 1], dtype=tl.float32)
+    mrow = srow
+    if GROUP == 0:
+        srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+        if HAS_MIN:
+            mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_begin = pid_k * k_chunks_per_split
+    k_end = tl.minimum(k_begin + k_chunks_per_split, nchunk)
+    for kc in range(k_begin, k_end, NKC):
+        chunk = kc + tl.arange(0, NKC)
+        if EVEN_K:
+            cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
+        else:
+            cmask = (chunk < k_end)[None, :] & (rn_safe >= 0)[:, None]
+        w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                         rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
+                         GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, xdt)
+        kk = kc * 8 + tl.arange(0, NKC * 8)
+        if EVEN_K:
+            xmask = mmask[:, None] & (kk >= 0)[None, :]
+        else:
+            xmask = mmask[:, None] & (kk < tl.minimum(k_end * 8, cols))[None, :]
+        xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc)
+    if POST_SCALE:
+        if SWAP:
+            acc = acc * srow
+        else:
+            acc = acc * tl.trans(srow)
+    if SWAP:
+        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        omask = mmask[None, :] & nmask[:, None]
+    else:
+        optr = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:  # one float32 partial per split, summed in a fixed order afterwards
+        tl.store(optr + pid_k.to(tl.int64) * stride_split, acc, mask=omask)
+    else:
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe, scales_ptr, mins_ptr,
+               scale_stride, srow, mrow, M, cols, nchunk, stride_xm,
+               MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
+               FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+               GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
+    BK: tl.constexpr = NKC * 8
+    chunk = kc + tl.arange(0, NKC)
+    if EVEN_K:
+        cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
+    else:
+        cmask = (chunk < nchunk)[None, :] & (rn_safe >= 0)[:, None]
+    w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
+                     rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
+                     GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, tl.float32)
+    kk = kc * 8 + tl.arange(0, BK)
+    kmask = kk < cols
+    p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
+    p1 = p0
+    p2 = p0
+    p3 = p0
+    if MP > 1:
+        p1 = w * tl.load(x_ptr + stride_xm + kk, mask=kmask & (kk * 0 + M > 1), other=0).to(tl.float32)[None, :]
+    if MP > 2:
+        p2 = w * tl.load(x_ptr + 2 * stride_xm + kk, mask=kmask & (kk * 0 + M > 2), other=0).to(tl.float32)[None, :]
+        p3 = w * tl.load(x_ptr + 3 * stride_xm + kk, mask=kmask & (kk * 0 + M > 3), other=0).to(tl.float32)[None, :]
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, cols, nchunk, stride_xm, code_stride, code8_stride, scale_stride, stride_om,
+                 MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
+                 FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
+                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+    """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
+    rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
+    reduced once at the end. No tensor cores, no shared-memory staging."""
+    pid_n = tl.program_id(0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
+    row_off = rn_safe[:, None] * code_stride
+    row_off8 = rn_safe[:, None] * code8_stride
+    srow = tl.zeros([BN, 1], dtype=tl.float32)
+    mrow = srow
+    if GROUP == 0:
+        srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+        if HAS_MIN:
+            mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
+    # The first block is peeled: the partial sums take the layout of the weight loads
+    # (16-byte vectors) instead of a default one that would split the loads into bytes.
+    acc0, acc1, acc2, acc3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, 0, rn_safe,
+                                        scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
+                                        nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
+                                        UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
+    for kc in range(NKC, nchunk, NKC):
+        p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe,
+                                    scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
+                                    nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
+                                    UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
+        acc0 += p0
+        if MP > 1:
+            acc1 += p1
+        if MP > 2:
+            acc2 += p2
+            acc3 += p3
+    odt = out_ptr.dtype.element_ty
+    scale = tl.reshape(srow, [BN]) if POST_SCALE else 1.0
+    tl.store(out_ptr + rn, (tl.sum(acc0, axis=1) * scale).to(odt), mask=nmask)
+    if MP > 1:
+        tl.store(out_ptr + stride_om + rn, (tl.sum(acc1, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 1))
+    if MP > 2:
+        tl.store(out_ptr + 2 * stride_om + rn, (tl.sum(acc2, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 2))
+        tl.store(out_ptr + 3 * stride_om + rn, (tl.sum(acc3, axis=1) * scale).to(odt), mask=nmask & (rn * 0 + M > 3))
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
+    """Kernel and tile shapes, from sweeps on an H200 (table 262144 x 2560,
+    bench/bench_kernels.py --sweep gemm). One row of x: the CUDA-core GEMV. 2..16 rows: the
+    transposed tensor-core tile with x padded to 16 rows (Triton 3.6 compiled M=4 to a
+    kernel 2-3x slower than M=16). Formats read through strided units (6, 5, 3 bits...)
+    keep the transposed tile at every M: Triton 3.6 fails to compile them in the big one."""
+    if m == 1:
+        if bits == 8:
+            return dict(GEMV=True, BN=16, BK=256, num_warps=4, num_stages=1)
+        return dict(GEMV=True, BN=16, BK=128, num_warps=2, num_stages=1)
+    if m <= 16:
+        return dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=2 if bits == 8 else 4,
+                    PAD_M=True)
+    if m <= 64 or bits not in (4, 8):
+        return dict(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
+    if bits == 8:
+        return dict(BM=128, BN=256, BK=64, SWAP=False, num_warps=8, num_stages=4)
+    return dict(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)
+
+
+def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
+                  out: torch.Tensor, config: dict | None) -> torch.Tensor:
+    """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
+    m, n = x2.shape[0], table.num_rows
+    units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
+    cfg = dict(tiles_config(m, n, cols, spec.bits))
+    if config:
+        cfg.update(config)
+    scales = table.scales
+    mins = table.mins if table.mins is not None else scales
+    post = spec.group == 0 and spec.signed and not spec.fp8
+    if cfg.get("PAD_M") and m < cfg["BM"]:
+        # Same kernel as for a full tile of rows; the extra rows are zeros, sliced off.
+        padded = x2.new_zeros((cfg["BM"], cols))
+        padded[:m] = x2
+        cfg = {k: v for k, v in cfg.items() if k != "PAD_M"}
+        full = torch.empty((cfg["BM"], n), dtype=out.dtype, device=out.device)
+        linear_tiles(fmt, spec, table, padded, cols, full, cfg)
+        out.copy_(full[:m])
+        return out
+    if cfg.get("GEMV") and m <= 4 and n > 0:
+        nkc = cfg["BK"] // 8
+        nchunk = math.ceil(cols / 8)
+        even_k = nchunk % nkc == 0 and cols % 8 == 0
+        group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and cfg["BK"] % spec.group == 0)
+        fast = cfg.get("FAST", True) and even_k and spec.bits in (4, 8) and group_ok
+        _gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](
+            x2, units, table.codes, scales, mins, out,
+            m, n, cols, nchunk, x2.stride(0), units.stride(0), table.codes.stride(0),
+            scales.stride(0), out.stride(0),
+            MP=1 if m == 1 else (2 if m == 2 else 4), BN=cfg["BN"], NKC=nkc, POST_SCALE=post,
+            FAST=fast, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group,
+            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return out
+    nchunk = math.ceil(cols / 8)
+
+    def fast_path(bk: int) -> bool:
+        even = nchunk % (bk // 8) == 0 and cols % 8 == 0
+        group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and bk % spec.group == 0)
+        return cfg.get("FAST", True) and even and spec.bits in (4, 8) and group_ok
+
+    if not fast_path(cfg["BK"]) and per_chunk > 1 and not cfg["SWAP"]:
+        # Triton 3.6 fails to compile strided-unit tiles as the right-hand operand: use the
+        # transposed tile (dequantized weights on the left) at any M.
+        cfg.update(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    nkc = bk // 8
+    fast = fast_path(bk)
+    even_k = nchunk % nkc == 0 and cols % 8 == 0
+    grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    # Split the hidden size only when the vocabulary leaves multiprocessors idle.
+    split = cfg.get("SPLIT_K") or 1
+    if "SPLIT_K" not in cfg and grid_m * grid_n < 2 * num_sms(x2.device):
+        split = max(1, min(triton.cdiv(nchunk, nkc), (4 * num_sms(x2.device)) // (grid_m * grid_n)))
+    per_split = triton.cdiv(triton.cdiv(nchunk, split), nkc) * nkc  # a multiple of nkc
+    split = triton.cdiv(nchunk, per_split)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    stages = cfg["num_stages"]
+    _linear_kernel[(grid_m, grid_n, split)](
+        x2, units, table.codes, scales, mins, dest,
+        m, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
+        scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0,
+        BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
+        BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group, SIGNED=spec.signed,
+        FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+        num_warps=cfg["num_warps"], num_stages=stages,
+    )
+    if split > 1:
+        out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
+    return out
