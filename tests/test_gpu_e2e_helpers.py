@@ -109,5 +109,18 @@ def test_kv_gain_and_the_summary_table():
     assert "## mtp 248,320 x 2,048" in text
     row = next(x for x in lines if x.startswith("| int8 |"))
     assert "99.0%" in row and "True / True" in row and "94/99 = 94.9%" in row
-    assert "105 (1.000)" in row
+    assert "105 (1.000; 104-106)" in row  # median (ratio to off; slowest-fastest repeat)
     assert "| int4 | failed: mtp-int4: engine exited (rc=1) |" in lines
+
+
+def test_the_summary_survives_a_bf16_engine_that_never_started():
+    """The main suite's BF16 engine failing (too little memory for its share) left no baseline;
+    the summary then crashed on it and hid the failure itself."""
+    out = {
+        "env": {},
+        "untied": {"shape": [151936, 4096], "kv_bytes_per_token": 147456, "formats": {}},
+        "failures": ["untied: untied-off: engine exited (rc=1)"],
+    }
+    text = gpu_e2e.summarize(out)
+    assert "No finished BF16 engine" in text
+    assert "- untied: untied-off: engine exited (rc=1)" in text
