@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_embed_plugin import importance
 from vllm_embed_plugin.formats import ColumnImportance, make_format
 from vllm_embed_plugin.tools import calibrate, evaluate, real_models
 
@@ -36,8 +37,8 @@ def split_constant(h: torch.Tensor, amount: float) -> torch.Tensor:
 def row(fmt_name: str, weights_of, label: str) -> evaluate.Candidate:
     fmt = make_format(fmt_name, weighted=weights_of is not None)
 
-    def roundtrip(table, moment):
-        imp = None if weights_of is None else weights_of(moment)
+    def roundtrip(table, measured):
+        imp = None if weights_of is None else weights_of(measured.second_moment)
         cols = table.shape[1]
 
         def one(chunk):
@@ -140,14 +141,14 @@ def main() -> int:
             label = f"{label}, M {source}"
             if not wanted(label):
                 continue
-            run.second_moment = moments[source]
+            run.measured = importance.Calibration(moments[source])
             line(label, run.evaluate(row("int4", fn, label)))
     for name, m in moments.items():
         for f in ("int4", "int5"):
             label = f"{f} tied, M {name}"
             if not wanted(label):
                 continue
-            run.second_moment = m
+            run.measured = importance.Calibration(m)
             line(label, run.evaluate(row(f, tied, label)))
     return 0
 

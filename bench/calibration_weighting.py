@@ -16,6 +16,7 @@ import sys
 import torch
 from calibration_levers import row
 
+from vllm_embed_plugin import importance
 from vllm_embed_plugin.formats import ColumnImportance
 from vllm_embed_plugin.formats.base import shrink
 from vllm_embed_plugin.tools import calibrate, evaluate, real_models
@@ -73,7 +74,7 @@ def main() -> int:
         for label, (moment, amount) in variants.items():
             # from_second_moment shrinks by ColumnImportance.SHRINK: shrink here, not there.
             ColumnImportance.SHRINK = 0.0
-            run.second_moment = shrink(moment.double(), amount).float()
+            run.measured = importance.Calibration(shrink(moment.double(), amount).float())
             result = run.evaluate(row(fmt, tied, f"{fmt} {label}"))
             ColumnImportance.SHRINK = default_shrink
             cells = [

@@ -87,7 +87,10 @@ def test_windows_domains_and_importance(run):
     assert run.window_domain == ["plain", "plain", "reversed", "reversed"]
     assert run.positions == 128 and run.calibration_positions == 64
     assert run.windows_of("reversed") == [(64, 96), (96, 128)]
-    assert run.importance.shape == (64,) and bool((run.importance > 0).all())
+    m, s = run.measured.second_moment, run.measured.input_fisher
+    assert m.shape == (64, 64) and bool((m.diagonal() > 0).all())
+    # A tied model: the lookup's Fisher information is measured beside M.
+    assert s.shape == (64, 64) and bool((s.diagonal() > 0).all())
 
 
 def test_spread_is_over_windows_and_domains_are_apart():

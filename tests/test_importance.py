@@ -26,9 +26,9 @@ def random_moment(cols: int, seed: int = 0) -> torch.Tensor:
 def test_file_round_trip_and_checks(tmp_path):
     moment = random_moment(64)
     path = importance.save(tmp_path / "m.safetensors", moment, {"cols": 64, "tied": True})
-    untied = importance.load(path, 64, joint=False)
+    untied = importance.load(path, 64, "lookup")
     assert torch.allclose(untied.weights, moment.diagonal()) and untied.inverse_factor is None
-    tied = importance.load(path, 64, joint=True)
+    tied = importance.load(path, 64, "tied")
     # The factor U is upper triangular with U^T U = (M shrunk toward mean(diag) * I, + damping)^-1,
     # and the weights are that matrix's diagonal; an untied table's are M's own.
     damped = shrink(moment.double(), ColumnImportance.SHRINK)
@@ -46,14 +46,80 @@ def test_file_round_trip_and_checks(tmp_path):
     with pytest.raises(
         importance.ImportanceError, match="is \\(64, 64\\), but this table has 128 columns"
     ):
-        importance.load(path, 128, joint=False)
+        importance.load(path, 128, "lookup")
     bad = importance.save(tmp_path / "bad.safetensors", torch.diag(torch.tensor([1.0, 0.0])), {})
     with pytest.raises(importance.ImportanceError, match="not positive"):
-        importance.load(bad, 2, joint=False)
+        importance.load(bad, 2, "lookup")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(importance.ImportanceError, match="not a readable importance file"):
-        importance.load(junk, 2, joint=False)
+        importance.load(junk, 2, "lookup")
+
+
+def test_a_tied_table_adds_the_lookups_fisher_information_and_a_head_does_not(tmp_path):
+    moment = random_moment(64)
+    fisher = random_moment(64, seed=1) / 10
+    path = importance.save(tmp_path / "ms.safetensors", moment, {}, input_fisher=fisher)
+    read = importance.read(path)
+    assert torch.equal(read.second_moment, moment) and torch.equal(read.input_fisher, fisher)
+    shrunk = shrink(moment.double(), ColumnImportance.SHRINK)
+    for role, cost in (("tied", shrunk + fisher.double()), ("head", shrunk)):
+        got = importance.load(path, 64, role)
+        assert torch.allclose(got.weights.double(), cost.diagonal(), rtol=1e-5), role
+        damped = cost + ColumnImportance.DAMPING * cost.diagonal().mean() * torch.eye(64)
+        u = got.inverse_factor.double()
+        assert torch.allclose(u.T @ u @ damped, torch.eye(64, dtype=torch.double), atol=1e-4)
+    # An untied embedding ignores both.
+    assert importance.load(path, 64, "lookup").lookup_only
+    # A file without S: the tied table is rounded against M alone, as before.
+    plain = importance.save(tmp_path / "m.safetensors", moment, {})
+    assert importance.read(plain).input_fisher is None
+    assert torch.allclose(
+        importance.load(plain, 64, "tied").weights.double(), shrunk.diagonal(), rtol=1e-5
+    )
+    wrong = importance.save(tmp_path / "w.safetensors", moment, {}, input_fisher=fisher[:32, :32])
+    with pytest.raises(importance.ImportanceError, match="'input_fisher' \\(32, 32\\)"):
+        importance.read(wrong)
+
+
+def test_the_sampled_fisher_information_converges_to_the_exact_one():
+    """S from one sampled token per position, over many copies of one window, against the
+    exact Fisher information of that window: sum over output positions and tokens of
+    p_v g_v g_v^T, with g_v the gradient of log p_v with respect to the input embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(30)  # a model whose output depends on its input
+    ids = torch.tensor([3, 17, 5, 29, 11])
+    moment, fisher = calibrate.measure_model(model, ids.repeat(3000, 1), fisher=True)
+
+    x = model.model.embed_tokens(ids[None]).detach()
+    exact = torch.zeros(len(ids), 16, 16, dtype=torch.float64)
+    logp = torch.log_softmax(model(inputs_embeds=x).logits[0], -1).detach()
+    for t in range(len(ids)):
+        for v in range(config.vocab_size):
+            xx = x.clone().requires_grad_(True)
+            torch.log_softmax(model(inputs_embeds=xx).logits[0, t], -1)[v].backward()
+            g = xx.grad[0].double()  # [positions, cols]
+            exact += logp[t, v].exp() * torch.einsum("pi,pj->pij", g, g)
+    exact = exact.mean(0)
+    assert torch.linalg.matrix_norm(fisher.double() - exact) < 0.1 * torch.linalg.matrix_norm(exact)
+    # M is unchanged by measuring S alongside it.
+    with torch.no_grad():
+        h = model.model(input_ids=ids[None]).last_hidden_state[0]
+    assert torch.allclose(moment, calibrate.second_moment(h), rtol=1e-4, atol=1e-5)
+    assert all(p.requires_grad for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", ["int8", "int5", "int4"])
@@ -123,6 +189,10 @@ def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, 
     )
     printed = capsys.readouterr().out
     assert f"VLLM_EMBED_IMPORTANCE={out}" in printed
+    # A tied model: the lookup's Fisher information is measured beside M.
+    assert "a tied table is rounded against M + S" in printed
+    fisher = importance.read(out).input_fisher
+    assert fisher is not None and fisher.shape == (576, 576)
     from safetensors.torch import load_file
 
     moment = load_file(str(out))[importance.TENSOR]
@@ -146,5 +216,5 @@ def test_calibrate_writes_the_second_moment_of_the_final_hidden_state(tmp_path, 
         hidden = model(input_ids=windows, output_hidden_states=True).hidden_states[-1]
     assert torch.allclose(moment, calibrate.second_moment(hidden), rtol=1e-3, atol=1e-4)
     # Massive activations: a few columns carry far more than the median.
-    diagonal = importance.load(out, 576, joint=False).weights
+    diagonal = importance.load(out, 576, "lookup").weights
     assert diagonal.max() > 50 * diagonal.median()

@@ -75,12 +75,12 @@ def test_the_shipped_calibration_file_is_calibrates_own_on_the_calibration_corpu
     test_evaluate), and fits SmolLM2's table."""
     import hashlib
 
-    from vllm_embed_plugin.importance import load_moment, read_meta
+    from vllm_embed_plugin.importance import read, read_meta
     from vllm_embed_plugin.tools import calibrate
 
     path = real_models.packaged_importance("smollm2")
     assert path is not None and path.is_file()
-    assert path.stat().st_size < 1_500_000  # 576 x 576 float32 and a header
+    assert path.stat().st_size < 2_700_000  # two 576 x 576 float32 (M and S) and a header
     meta = read_meta(path)
     corpus = calibrate.default_corpus().read_bytes()
     # A change to the corpus makes this file stale: regenerate it (data/README.md).
@@ -88,7 +88,10 @@ def test_the_shipped_calibration_file_is_calibrates_own_on_the_calibration_corpu
     assert meta["positions"] <= calibrate.DEFAULT_POSITIONS and meta["tied"]
     model = REAL_MODELS["smollm2"]
     assert (meta["rows"], meta["cols"]) == (model.vocab_size, model.hidden_size)
-    assert load_moment(path).shape == (model.hidden_size, model.hidden_size)
+    measured = read(path)
+    assert measured.second_moment.shape == (model.hidden_size, model.hidden_size)
+    # A tied model's file holds the lookup's Fisher information too (importance.py).
+    assert measured.input_fisher is not None
     assert real_models.packaged_importance("gemma3-270m") is None
 
 

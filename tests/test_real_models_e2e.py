@@ -106,7 +106,7 @@ def test_importance_file_steers_the_conversion_inside_the_worker(runs, tmp_path)
     weighted = quantize_table(
         table,
         make_format("int5", weighted=True),
-        importance=importance.load(weights, table.shape[1], joint=True),
+        importance=importance.load(weights, table.shape[1], "tied"),
     )
     plain = quantize_table(table, make_format("int5"))
     expected = {

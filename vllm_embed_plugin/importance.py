@@ -13,6 +13,12 @@ is the constant part of h. Formats use M two ways (`formats.ColumnImportance`):
 Together they bring the tied KL divergence to between a third and two thirds of llama.cpp's
 formats at the same bits per weight (docs/FIDELITY.md).
 
+A tied table is also looked up, where an error e in a token's row costs e S e^T each time the
+token is read, S being the Fisher information of the model's output with respect to its input
+embedding, averaged over positions. Both costs scale with how often the token occurs, so a
+tied row is rounded against M + S. A file may hold S beside M (`calibrate` measures it with one
+backward pass per window); without it a tied table is rounded against M alone.
+
 M takes a forward pass over text, which the plugin cannot run inside vLLM's loader. So it is
 measured once per model by `vllm-embed-plugin calibrate MODEL` (llama.cpp's imatrix plays the
 same role), stored in a small safetensors file, and named by `VLLM_EMBED_IMPORTANCE`. The
@@ -25,7 +31,9 @@ tooling (`tools/calibrate.py`).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -33,28 +41,74 @@ from .formats.base import ColumnImportance
 
 #: The tensor's name inside an importance file: M = E[h h^T], float32 [cols, cols].
 TENSOR = "second_moment"
+#: The optional second tensor: S, the input embedding's Fisher information, float32 [cols, cols].
+FISHER_TENSOR = "input_fisher"
 
 
 class ImportanceError(ValueError):
     """An importance file cannot be used for this table."""
 
 
-def save(path: str | Path, moment: torch.Tensor, meta: dict) -> Path:
+def save(
+    path: str | Path, moment: torch.Tensor, meta: dict, input_fisher: torch.Tensor | None = None
+) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {TENSOR: moment.float().contiguous()}
+    if input_fisher is not None:
+        tensors[FISHER_TENSOR] = input_fisher.float().contiguous()
     save_file(
-        {TENSOR: moment.float().contiguous()},
+        tensors,
         str(path),
         metadata={k: json.dumps(v) for k, v in meta.items()},
     )
     return path
 
 
-def load_moment(path: str | Path) -> torch.Tensor:
-    """M [cols, cols] float32 from an importance file, checked to be one (finite, positive
-    diagonal). Raises ImportanceError, naming the file and what is wrong."""
+@dataclass(frozen=True)
+class Calibration:
+    """What an importance file holds."""
+
+    #: M = E[h h^T] [cols, cols] of the final hidden state.
+    second_moment: torch.Tensor
+    #: S [cols, cols], the input embedding's Fisher information; None in a file without it
+    #: (`calibrate --engine vllm`, or a file from before it was measured).
+    input_fisher: torch.Tensor | None = None
+
+    @property
+    def cols(self) -> int:
+        return self.second_moment.shape[0]
+
+
+def _checked(path, tensors: dict, name: str, what: str, required: bool) -> torch.Tensor | None:
+    """Tensor `name` of a file, checked to be a square matrix with finite values and a
+    positive diagonal."""
+    tensor = tensors.get(name)
+    if tensor is None:
+        if required:
+            raise ImportanceError(
+                f"{str(path)!r} holds no {name!r} tensor (make it with "
+                "`vllm-embed-plugin calibrate MODEL`)"
+            )
+        return None
+    tensor = tensor.float()
+    if tensor.dim() != 2 or tensor.shape[0] != tensor.shape[1]:
+        raise ImportanceError(
+            f"{str(path)!r} holds a {tuple(tensor.shape)} tensor, not a square {what}"
+        )
+    if not bool(torch.isfinite(tensor).all()) or not bool((tensor.diagonal() > 0).all()):
+        raise ImportanceError(
+            f"{str(path)!r} holds values that are not finite, or a column "
+            f"whose {what} is not positive"
+        )
+    return tensor
+
+
+def read(path: str | Path) -> Calibration:
+    """An importance file's tensors, checked (finite, square, positive diagonals, the same
+    size). Raises ImportanceError, naming the file and what is wrong."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -62,41 +116,48 @@ def load_moment(path: str | Path) -> torch.Tensor:
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ImportanceError(f"{str(path)!r} is not a readable importance file ({exc})") from None
-    moment = tensors.get(TENSOR)
-    if moment is None:
+    moment = _checked(path, tensors, TENSOR, "second moment", required=True)
+    fisher = _checked(path, tensors, FISHER_TENSOR, "input Fisher information", required=False)
+    if fisher is not None and fisher.shape != moment.shape:
         raise ImportanceError(
-            f"{str(path)!r} holds no {TENSOR!r} tensor (make it with "
-            "`vllm-embed-plugin calibrate MODEL`)"
+            f"{str(path)!r} holds {TENSOR!r} {tuple(moment.shape)} but {FISHER_TENSOR!r} "
+            f"{tuple(fisher.shape)}"
         )
-    moment = moment.float()
-    if moment.dim() != 2 or moment.shape[0] != moment.shape[1]:
-        raise ImportanceError(
-            f"{str(path)!r} holds a {tuple(moment.shape)} tensor, not a square second moment"
-        )
-    if not bool(torch.isfinite(moment).all()) or not bool((moment.diagonal() > 0).all()):
-        raise ImportanceError(
-            f"{str(path)!r} holds values that are not finite, or a column "
-            "whose importance is not positive"
-        )
-    return moment
+    return Calibration(moment, fisher)
 
 
-def load(path: str | Path, cols: int, joint: bool) -> ColumnImportance:
-    """The importance in `path` for a table with `cols` columns; `joint`: the table is also a
-    tied LM head, so its rows are rounded jointly.
+#: How a table is used, which decides what in the file applies to it: "lookup" an untied
+#: embedding, "head" an untied LM head, "tied" a table that is both.
+Role = Literal["lookup", "head", "tied"]
+
+
+def load(path: str | Path, cols: int, role: Role) -> ColumnImportance:
+    """The importance in `path` for a table with `cols` columns used as `role`: a table that
+    computes logits ("head", "tied") has its rows rounded jointly against M, plus S for a
+    tied one; an untied embedding ignores it (`ColumnImportance.lookup_only`).
 
     Raises ImportanceError, naming the file and what is wrong, if it cannot serve this table."""
-    moment = load_moment(path)
-    if moment.shape != (cols, cols):
+    calibration = read(path)
+    if calibration.cols != cols:
         raise ImportanceError(
-            f"{str(path)!r} is {tuple(moment.shape)}, but this table has {cols} "
-            "columns: it was measured on another model"
+            f"{str(path)!r} is {tuple(calibration.second_moment.shape)}, but this table has "
+            f"{cols} columns: it was measured on another model"
         )
+    return for_role(calibration, role, str(path))
+
+
+def for_role(
+    calibration: Calibration, role: Role, source: str = "the importance"
+) -> ColumnImportance:
+    """`calibration` as the importance of a table used as `role` (see `load`)."""
+    fisher = calibration.input_fisher if role == "tied" else None
     try:
-        return ColumnImportance.from_second_moment(moment, joint)
+        return ColumnImportance.from_second_moment(
+            calibration.second_moment, role != "lookup", fisher
+        )
     except torch.linalg.LinAlgError:
         raise ImportanceError(
-            f"{str(path)!r} is not a second moment (not positive definite)"
+            f"{source!r} is not a second moment (not positive definite)"
         ) from None
 
 

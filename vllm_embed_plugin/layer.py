@@ -131,7 +131,8 @@ def choose_method(layer: VocabParallelEmbedding) -> CompactEmbeddingMethod | Non
             "width, and is freed at the swap"
         )
     label = where + (" (tied LM head)" if tied else "")
-    column_importance = _importance(decision, name, layer.embedding_dim, where, joint=tied)
+    role = "tied" if tied else "lookup"
+    column_importance = _importance(decision, name, layer.embedding_dim, where, role)
     fmt = make_format(name, decision.group_size, weighted=column_importance is not None)
     on_host = name == decision.format and decision.on_host
     if tied and not on_host:  # a tied host format's fallback lives on the GPU too
@@ -177,7 +178,7 @@ def choose_head_method(layer: ParallelLMHead) -> CompactEmbeddingMethod | None:
     # The head's input is the hidden state the importance file measures: rows are rounded
     # jointly against it, as for a tied table.
     column_importance = _importance(
-        decision, decision.head_format, layer.embedding_dim, where, joint=True
+        decision, decision.head_format, layer.embedding_dim, where, "head"
     )
     fmt = make_format(
         decision.head_format, decision.group_size, weighted=column_importance is not None
@@ -223,25 +224,26 @@ def _key_compile_cache(vllm_config, label: str, method: CompactEmbeddingMethod) 
     )
 
 
-def _importance(decision, name: str, cols: int, where: str, joint: bool):
+def _importance(decision, name: str, cols: int, where: str, role: importance.Role):
     """The column importance (`importance.py`), if one is set and the format uses it. It
-    measures the LM head's input, so only a table that computes logits (`joint`: a tied
-    table or an untied head) uses it: its scales are searched and its rows rounded jointly
-    against it. An untied embedding is converted exactly as without a file (a search for the
-    head's columns measured worse for the lookup, docs/CALIBRATION.md), but the file is still
-    checked, so one from another model stops startup either way."""
+    measures the LM head's input, so only a table that computes logits (a tied table or an
+    untied head) uses it: its scales are searched and its rows rounded jointly against it (a
+    tied table's with the lookup's cost added, where the file holds it). An untied embedding
+    is converted exactly as without a file (a search for the head's columns measured worse for
+    the lookup, docs/CALIBRATION.md), but the file is still checked, so one from another model
+    stops startup either way."""
     if decision.importance is None:
         return None
     if not isinstance(make_format(name), IntFormat):
         log_once(f"{where}: format {name!r} has no scale search; the importance file is not used")
         return None
     try:
-        loaded = importance.load(decision.importance, cols, joint=joint)
+        loaded = importance.load(decision.importance, cols, role)
     except importance.ImportanceError as exc:
         raise EmbedSettingsError(
             f"importance (VLLM_EMBED_IMPORTANCE or a rule's importance): {exc}"
         ) from None
-    if not joint:
+    if role == "lookup":
         log_once(
             f"{where}: untied, so the importance file is checked but not used here (it "
             "describes the LM head's input, not the lookup)"

@@ -50,7 +50,8 @@ class ColumnImportance:
 
     `weights` (M's diagonal) steer the scale search. With `inverse_factor` the codes of each
     row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
-    columns after it, so it cancels in the logits instead of adding up.
+    columns after it, so it cancels in the logits instead of adding up. A tied table, also
+    looked up, is rounded against M + S where the file holds S, the lookup's own cost.
 
     With `lookup_only` (an untied table) the importance is not used at all: the format
     quantizes by its plain rule, exactly as without a file. M weighs what an error costs in the
@@ -81,12 +82,20 @@ class ColumnImportance:
             raise ValueError("importance weights must be one positive number per column")
 
     @classmethod
-    def from_second_moment(cls, moment: torch.Tensor, joint: bool) -> ColumnImportance:
+    def from_second_moment(
+        cls, moment: torch.Tensor, joint: bool, input_fisher: torch.Tensor | None = None
+    ) -> ColumnImportance:
+        """`joint`: the table computes logits (a tied table or an untied head). `input_fisher`
+        (S, `importance.py`): the table is also looked up, so a row's error costs e S e^T
+        in the lookup beside e M e^T in the logits; pass it for a tied table only (for an
+        untied table alone it measured better on most text but not all: docs/CALIBRATION.md)."""
         moment = moment.double()
         if not joint:
             # Without joint rounding the table is untied (lookup only): see the class doc.
             return cls(moment.diagonal().clamp_min(1e-12).float(), lookup_only=True)
         moment = shrink(moment, cls.SHRINK)
+        if input_fisher is not None:
+            moment = moment + input_fisher.double()
         weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
             moment.shape[0], dtype=moment.dtype, device=moment.device

@@ -61,7 +61,23 @@ def spread_windows(tokenizer, text: str, window: int, count: int) -> torch.Tenso
     return torch.tensor([prefix + ids[s : s + body] for s in starts], dtype=torch.long)
 
 
-@torch.inference_mode()
+def lookup_scale(embedding: torch.nn.Module, ids: torch.Tensor, looked_up: torch.Tensor) -> float:
+    """The factor between a table row and what the embedding module returns for it (Gemma
+    multiplies by sqrt(hidden size); most models by 1), checked to be one number."""
+    rows = embedding.weight[ids].to(looked_up.dtype)
+    scale = float((looked_up * rows).sum() / rows.pow(2).sum().clamp_min(1e-30))
+    if not torch.allclose(looked_up, rows * scale, rtol=1e-2, atol=1e-6):
+        raise RuntimeError(f"{type(embedding).__name__} is not a scaled table lookup")
+    return scale
+
+
+def logits_of(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its final hidden states (head, then any final soft-cap)."""
+    z = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(z / cap) * cap if cap else z
+
+
 def measure(
     model_path: str | Path,
     text: str,
@@ -71,36 +87,83 @@ def measure(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
-) -> tuple[torch.Tensor, dict]:
-    """(M [cols, cols], metadata) of the checkpoint at `model_path`, measured on `text`;
-    `progress`: a progress bar over the windows on stderr."""
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(M, S or None, metadata) of the checkpoint at `model_path`, measured on `text`
+    (`importance.py`; S for a tied model only, see `measure_model`); `progress`: a progress
+    bar over the windows on stderr."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     windows = spread_windows(tokenizer, text, window, max_positions // window)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
+    tied = is_tied(model)
     print(
         f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens, "
-        f"{windows.numel()} positions (--positions {max_positions} is a cap)",
+        f"{windows.numel()} positions (--positions {max_positions} is a cap)"
+        + (", a backward pass each for the lookup's Fisher information" if tied else ""),
         file=sys.stderr,
         flush=True,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
-    body = getattr(model, model.base_model_prefix)
-    total = None
-    for ids in progress_bar(
-        windows, f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens", progress
-    ):
-        h = body(input_ids=ids[None].to(device)).last_hidden_state[0].double()
-        part = h.T @ h
-        total = part if total is None else total + part
-    moment = (total / windows.numel()).float().cpu()
+    moment, fisher = measure_model(model, windows, fisher=tied, progress=progress)
     table = model.get_input_embeddings().weight
     meta = {
         "model": str(model_path),
         "rows": table.shape[0],
         "cols": table.shape[1],
         "positions": windows.numel(),
-        "tied": bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)),
+        "tied": tied,
         "engine": "transformers",
     }
-    return moment, meta
+    return moment, fisher, meta
+
+
+def is_tied(model) -> bool:
+    return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+
+
+def measure_model(
+    model, windows: torch.Tensor, *, fisher: bool, progress: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(M, S or None) [cols, cols] float32 of a transformers causal LM over token `windows`
+    [n, window]; S only with `fisher` (only a tied table uses it).
+
+    S: at every position a token y is drawn from the model's own next-token distribution p,
+    and sum log p(y) is back-propagated to the input embeddings. The mean outer product of
+    the per-position gradient g, scaled back to the table's rows, is S: E_y[g g^T] is the
+    Fisher information, and the cross terms between positions vanish in expectation."""
+    body = getattr(model, model.base_model_prefix)
+    embedding = model.get_input_embeddings()
+    device = embedding.weight.device
+    cols = embedding.weight.shape[1]
+    generator = torch.Generator(device).manual_seed(seed)
+    moment = torch.zeros(cols, cols, dtype=torch.float64, device=device)
+    information = torch.zeros_like(moment) if fisher else None
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)  # gradients for the input embeddings only
+    try:
+        for ids in progress_bar(
+            windows, f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens", progress
+        ):
+            ids = ids[None].to(device)
+            with torch.no_grad():
+                looked_up = embedding(ids)
+            x = looked_up.clone().requires_grad_(fisher)
+            with torch.set_grad_enabled(fisher):
+                h = body(inputs_embeds=x).last_hidden_state[0]
+            moment += h.detach().double().T @ h.detach().double()
+            if information is None:
+                continue
+            logp = torch.log_softmax(logits_of(model, h).float(), -1)
+            with torch.no_grad():
+                y = torch.multinomial(logp.exp(), 1, generator=generator)
+            logp.gather(1, y).sum().backward()
+            g = x.grad[0].double() * lookup_scale(embedding, ids[0], looked_up[0])
+            information += g.T @ g
+            del logp, x, h
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    positions = windows.numel()
+    moment = (moment / positions).float().cpu()
+    return moment, None if information is None else (information / positions).float().cpu()

@@ -174,6 +174,7 @@ def cmd_calibrate(args) -> int:
     if args.engine == "vllm":
         from .calibrate_vllm import measure_vllm
 
+        fisher = None  # vLLM runs no backward pass: M only (importance.py)
         moment, meta = measure_vllm(
             path,
             text,
@@ -187,7 +188,7 @@ def cmd_calibrate(args) -> int:
     else:
         if args.threads:
             torch.set_num_threads(args.threads)
-        moment, meta = calibrate.measure(
+        moment, fisher, meta = calibrate.measure(
             path,
             text,
             window=window,
@@ -200,7 +201,7 @@ def cmd_calibrate(args) -> int:
     # Names the exact text measured, so a shipped file can be checked against its corpus.
     meta["corpus_sha256"] = hashlib.sha256(corpus.read_bytes()).hexdigest()
     out = args.out or calibrate.default_out(path)
-    importance.save(out, moment, meta)
+    importance.save(out, moment, meta, fisher)
     values = moment.diagonal()
     top = values.topk(min(4, values.numel()))
     print(
@@ -208,6 +209,16 @@ def cmd_calibrate(args) -> int:
         f"largest {', '.join(f'{v:.3g} (column {i})' for v, i in zip(top.values.tolist(), top.indices.tolist()))}, "
         f"median {values.median().item():.3g}"
     )
+    if fisher is not None:
+        print(
+            "measured the lookup's Fisher information S on the same positions: a tied table "
+            "is rounded against M + S"
+        )
+    elif meta["tied"]:
+        print(
+            "a tied model: without the lookup's Fisher information (only --engine transformers "
+            "measures it) its table is rounded against M alone"
+        )
     print(f"wrote {out}; use it with:")
     print(f"  VLLM_EMBED_IMPORTANCE={out}")
     return 0

@@ -46,7 +46,7 @@ import torch
 
 from .. import importance
 from ..convert import row_chunks
-from ..formats import ColumnImportance, Fp8Format, IntFormat, TableFormat
+from ..formats import Fp8Format, IntFormat, TableFormat
 from . import DATA_DIR, ToolError, calibrate, progress_bar, real_models, run_command
 from .fidelity_data import Candidate, ModeStats, Result, Roundtrip, mode_stats
 from .fidelity_report import ModelReport, Section, render_markdown
@@ -112,13 +112,19 @@ def _format_label(fmt: TableFormat) -> str:
 
 
 def _plugin_roundtrip(
-    fmt: TableFormat, cols: int, shift: int, weighted: bool, joint: bool = False
+    fmt: TableFormat, cols: int, shift: int, role: importance.Role | None = None
 ) -> Roundtrip:
-    def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+    def roundtrip(table: torch.Tensor, measured: importance.Calibration) -> torch.Tensor:
         weights = None
-        if weighted:
-            moved = torch.roll(moment, (-shift, -shift), dims=(0, 1)) if shift else moment
-            weights = ColumnImportance.from_second_moment(moved, joint)
+        if role is not None:
+            if shift:
+                measured = importance.Calibration(
+                    *(
+                        None if m is None else torch.roll(m, (-shift, -shift), dims=(0, 1))
+                        for m in (measured.second_moment, measured.input_fisher)
+                    )
+                )
+            weights = importance.for_role(measured, role)
 
         def one(chunk: torch.Tensor) -> torch.Tensor:
             packed = fmt.quantize(_roll(chunk, shift), weights)
@@ -134,21 +140,20 @@ def plugin_row(
     cols: int,
     *,
     shift: int = 0,
-    weighted: bool = False,
-    joint: bool = False,
+    role: importance.Role | None = None,
     label: str | None = None,
 ) -> Candidate:
     """A plugin format. `shift` moves its groups off column 0 (the honest test on a table
-    that was stored on aligned blocks before); `weighted` passes the measured column importance
-    to the scale search, and `joint` also rounds each row jointly against it (GPTQ; what the
-    plugin does for a tied table). IntFormat only."""
-    if weighted and not isinstance(fmt, IntFormat):
+    that was stored on aligned blocks before); `role` passes the measured importance as the
+    plugin would for a table used that way: "tied" and "head" search the scales and round each
+    row jointly against it (GPTQ), "lookup" (an untied table) ignores it. IntFormat only."""
+    if role is not None and not isinstance(fmt, IntFormat):
         raise ValueError("only IntFormat takes an importance")
     if label is None:
-        label = _format_label(fmt) + (", importance-weighted" if weighted else "")
-        label += ", rows rounded jointly" if joint else ""
+        label = _format_label(fmt) + (", importance-weighted" if role else "")
+        label += ", rows rounded jointly" if role in ("tied", "head") else ""
         label += f", shifted {shift}" if shift else ""
-    roundtrip = _plugin_roundtrip(fmt, cols, shift, weighted or joint, joint)
+    roundtrip = _plugin_roundtrip(fmt, cols, shift, role)
     return Candidate(label, fmt.bits_per_weight(cols), roundtrip)
 
 
@@ -196,19 +201,19 @@ def outlier_row(
     The cost counted: those rows at `high`'s bits instead of `base`'s, plus a 32-bit row index
     each."""
     high = high or IntFormat("int8", 8, 32)
-    base_rt = _plugin_roundtrip(base, cols, 0, weighted)
-    high_rt = _plugin_roundtrip(high, cols, 0, False)
+    base_rt = _plugin_roundtrip(base, cols, 0, "lookup" if weighted else None)
+    high_rt = _plugin_roundtrip(high, cols, 0)
     base_bpw = base.bits_per_weight(cols)
     bpw = base_bpw + share * (high.bits_per_weight(cols) - base_bpw + 32 / cols)
 
-    def roundtrip(table: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
-        lossy = base_rt(table, moment)
-        importance = moment.diagonal()
+    def roundtrip(table: torch.Tensor, measured: importance.Calibration) -> torch.Tensor:
+        lossy = base_rt(table, measured)
+        weights = measured.second_moment.diagonal()
         err = torch.empty(table.shape[0])
         for part in row_chunks(*table.shape):
-            err[part] = ((lossy[part] - table[part]).square() * importance).sum(1)
+            err[part] = ((lossy[part] - table[part]).square() * weights).sum(1)
         rows = err.topk(max(1, round(share * table.shape[0]))).indices
-        lossy[rows] = high_rt(table[rows], moment)
+        lossy[rows] = high_rt(table[rows], measured)
         return lossy
 
     label = (
@@ -262,7 +267,7 @@ def grid(name: str, cols: int) -> list[Candidate]:
             identity_row(cols),
             llama_cpp_row("Q8_0", cols, shift=SHIFT),
             plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
-            plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+            plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, role="lookup"),
             llama_cpp_row("Q4_0", cols),
         ]
     if name == "anchors":
@@ -290,7 +295,7 @@ def grid(name: str, cols: int) -> list[Candidate]:
                 )
                 rows.append(
                     keyed(
-                        plugin_row(searched, cols, weighted=True, joint=True, label=tied),
+                        plugin_row(searched, cols, role="tied", label=tied),
                         f"{name}+tied",
                     )
                 )
@@ -301,28 +306,28 @@ def grid(name: str, cols: int) -> list[Candidate]:
         return [
             llama_cpp_row("Q8_0", cols),
             plugin_row(I("int8", 8, 32), cols),
-            plugin_row(I("int8", 8, 32, search=s), cols, weighted=True),
+            plugin_row(I("int8", 8, 32, search=s), cols, role="lookup"),
             plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols),
-            plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, weighted=True),
+            plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, role="lookup"),
         ]
     if name != "full":
         raise KeyError(f"unknown grid {name!r}")
     return anchors + [
         # 8-bit class, groups shifted off the Q8_0 grid the tables were published on.
         plugin_row(I("int8", 8, 32), cols, shift=SHIFT),
-        plugin_row(I("int8", 8, 32, search=s), cols, shift=SHIFT, weighted=True),
-        plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, shift=SHIFT, weighted=True),
+        plugin_row(I("int8", 8, 32, search=s), cols, shift=SHIFT, role="lookup"),
+        plugin_row(I("int8", 8, 64, symmetric=False, search=s), cols, shift=SHIFT, role="lookup"),
         plugin_row(I("int6", 6, None), cols),
         # 6-bit class
-        plugin_row(I("int5", 5, 16, search=s), cols, weighted=True),
+        plugin_row(I("int5", 5, 16, search=s), cols, role="lookup"),
         plugin_row(I("int5", 5, 32, symmetric=False, search=s), cols),
-        plugin_row(I("int5", 5, 32, symmetric=False, search=s), cols, weighted=True),
+        plugin_row(I("int5", 5, 32, symmetric=False, search=s), cols, role="lookup"),
         outlier_row(I("int5", 5, 32, search=s), 0.15, cols, weighted=True),
         # 4-bit class
         plugin_row(I("int4", 4, 32, search=s), cols),
-        plugin_row(I("int4", 4, 32, search=s), cols, weighted=True),
+        plugin_row(I("int4", 4, 32, search=s), cols, role="lookup"),
         plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols),
-        plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, weighted=True),
+        plugin_row(I("int4", 4, 64, symmetric=False, search=s), cols, role="lookup"),
         outlier_row(I("int4", 4, 64, search=s), 0.05, cols, weighted=True),
     ]
 
@@ -341,7 +346,7 @@ def head_rows(cols: int) -> list[Candidate]:
             label = (
                 f"**{name} + importance, head**: {_format_label(searched)}, rows rounded jointly"
             )
-            row = plugin_row(searched, cols, weighted=True, joint=True, label=label)
+            row = plugin_row(searched, cols, role="head", label=label)
         else:
             row = plugin_row(fmt, cols, label=f"**{name}**: {_format_label(fmt)}")
         rows.append(dataclasses.replace(row, key=f"{name}+head"))
@@ -380,8 +385,8 @@ def packaged_domains() -> dict[str, str]:
 
 class FidelityRun:
     """One model and its evaluation texts: the reference pass, then `evaluate(candidate)` per
-    row. The column importance comes from `second_moment` (a calibration file) or is measured
-    on `calibration` text (default: the packaged calibration corpus) as `calibrate` measures it;
+    row. The column importance comes from `measured` (a calibration file) or is measured on
+    `calibration` text (default: the packaged calibration corpus) as `calibrate` measures it;
     it never sees the evaluation windows unless the same text is passed for both."""
 
     def __init__(
@@ -391,7 +396,7 @@ class FidelityRun:
         *,
         window: int = DEFAULT_WINDOW,
         windows: int = DEFAULT_WINDOWS,
-        second_moment: torch.Tensor | None = None,
+        measured: importance.Calibration | None = None,
         calibration: str | None = None,
         calibration_window: int = calibrate.DEFAULT_WINDOW,
         calibration_positions: int = calibrate.DEFAULT_POSITIONS,
@@ -438,25 +443,26 @@ class FidelityRun:
         started = time.perf_counter()
         self.h_ref = self._hidden(self.table, "reference")
         self.positions = self.h_ref.shape[0]
-        if second_moment is None:
+        if measured is None:
             text = calibration
             if text is None:
                 text = calibrate.default_corpus().read_text(encoding="utf-8")
             calib = calibrate.spread_windows(
                 tokenizer, text, calibration_window, calibration_positions // calibration_window
             )
-            #: M = E[h h^T] of the final hidden state (importance.py).
-            second_moment = calibrate.second_moment(self._hidden(self.table, "importance", calib))
+            measured = importance.Calibration(
+                *calibrate.measure_model(model, calib, fisher=self.tied, progress=progress)
+            )
             self.calibration_positions = calib.numel()
         else:
             self.calibration_positions = None
-        if second_moment.shape != (self.cols, self.cols):
+        if measured.cols != self.cols:
             raise importance.ImportanceError(
-                f"the importance is {tuple(second_moment.shape)}, but this table has {self.cols} "
-                "columns: it was measured on another model"
+                f"the importance is {tuple(measured.second_moment.shape)}, but this table has "
+                f"{self.cols} columns: it was measured on another model"
             )
-        self.second_moment = second_moment.float()
-        self.importance = self.second_moment.diagonal().clamp_min(1e-12)
+        #: M = E[h h^T] of the final hidden state, and S where measured (importance.py).
+        self.measured = measured
         self._check_logits()
         cache = self.positions * self.vocab * 4 <= REFERENCE_CACHE_BYTES
         self._ref_cache: list[torch.Tensor] | None = [] if cache else None
@@ -522,7 +528,7 @@ class FidelityRun:
         if candidate.roundtrip is None:
             return Result(candidate)
         started = time.perf_counter()
-        lossy = candidate.roundtrip(self.table, self.second_moment)
+        lossy = candidate.roundtrip(self.table, self.measured)
         h_q = self._hidden(lossy, candidate.label)
         modes = {"input": self.head}
         if self.tied:
@@ -562,7 +568,7 @@ class FidelityRun:
         if candidate.roundtrip is None:
             return Result(candidate)
         started = time.perf_counter()
-        lossy = candidate.roundtrip(self.head, self.second_moment)
+        lossy = candidate.roundtrip(self.head, self.measured)
         kld = torch.empty(self.positions)
         agree = torch.empty(self.positions, dtype=torch.bool)
         for s, lp_ref in self._reference_chunks():
@@ -596,14 +602,15 @@ def evaluate_model(
     grid_name: str = "plugin",
     window: int = DEFAULT_WINDOW,
     windows: int = DEFAULT_WINDOWS,
-    second_moment: torch.Tensor | None = None,
+    measured: importance.Calibration | None = None,
     only: str | None = None,
     skip: Sequence[str] = (),
     progress: bool = True,
 ) -> ModelReport:
     """Evaluate every section of `grid_name` (the rows `selected(row, only, skip)` keeps) on
-    `domains` (name -> text). The importance is `second_moment` (a calibration file's M) or,
-    when None, measured on the packaged calibration corpus as `calibrate` does by default."""
+    `domains` (name -> text). The importance is `measured` (a calibration file's M, and S
+    where it holds one) or, when None, measured on the packaged calibration corpus as
+    `calibrate` does by default."""
     path = real_models.resolve(model)
     report = None
     for title, rows_name, degridded in SECTIONS[grid_name]:
@@ -613,7 +620,7 @@ def evaluate_model(
             domains,
             window=window,
             windows=windows,
-            second_moment=second_moment,
+            measured=measured,
             degrid_table=degridded,
             progress=progress,
         )
@@ -800,10 +807,10 @@ def main(
             f"{name} (`data/heldout/{name}.txt`, {len(text.split())} words)"
             for name, text in domains.items()
         )
-    second_moment = None
+    measured = None
     if args.importance is not None:
         try:
-            second_moment = importance.load_moment(args.importance)
+            measured = importance.read(args.importance)
         except importance.ImportanceError as exc:
             parser.exit(2, f"error: --importance {exc}\n")
     calibration = (
@@ -823,7 +830,7 @@ def main(
                 grid_name=args.grid,
                 window=args.window,
                 windows=args.windows,
-                second_moment=second_moment,
+                measured=measured,
                 only=args.only,
                 skip=args.skip,
                 progress=not args.no_progress,

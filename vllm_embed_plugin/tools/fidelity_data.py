@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..importance import Calibration
+
 __all__ = ["Candidate", "ModeStats", "Result", "Roundtrip", "mode_stats"]
 
-#: One lossy copy of a float32 table: (table [rows, cols], second moment M [cols, cols] of the
-#: final hidden state, see importance.py) -> table.
-Roundtrip = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: One lossy copy of a float32 table: (table [rows, cols], what calibration measured, an
+#: `importance.Calibration`: M, and S where measured) -> table.
+Roundtrip = Callable[[torch.Tensor, "Calibration"], torch.Tensor]
 
 
 @dataclass(frozen=True)

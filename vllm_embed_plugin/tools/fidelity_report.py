@@ -138,7 +138,8 @@ minimums and side tables included. Within a class, rows are sorted by tied KLD.
   N candidate scales on each side of the plain one, each refit by least squares, llama.cpp's
   way) weighing each column's squared error by M's diagonal. *tied*: as the plugin treats a
   tied table, each row's codes are also chosen jointly against M (GPTQ), so their errors cancel
-  in the logits. An untied table given a file is converted exactly as without one (M
+  in the logits, plus S, the lookup's Fisher information, where the file holds it (M + S:
+  what a row's error costs in the logits and in the lookup together). An untied table given a file is converted exactly as without one (M
   describes the head's input, not the lookup's; docs/CALIBRATION.md), so the plain rows are
   also the untied tables with a file. M comes from the calibration text named above, never
   from the evaluation windows. Rows without it are the plugin with no file.

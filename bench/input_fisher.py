@@ -1,0 +1,83 @@
+"""Does the lookup's own cost belong in a table's rounding? Measured on the packaged held-out
+domains (8 windows each), one model per call; docs/CALIBRATION.md has the results.
+
+A tied table's row error e costs twice: in the logits, about e M e^T with M = E[h h^T], and in
+the lookup, e S e^T with S the Fisher information of the model's output with respect to its
+input embedding, averaged over positions (`calibrate.measure_model` measures both on the
+calibration corpus). Each variant `a:b` rounds every row jointly against a * (M shrunk as the
+plugin shrinks it) + b * S: `1:0` is M alone (the plugin before S), `1:1` what the plugin does
+for a tied table now, `0:1` an input-only table against S alone (its input KLD is the figure
+that matters there); `plain` is no file. Prints tied KLD and, in brackets, input-only KLD.
+
+    python bench/input_fisher.py smollm2 --formats int8,int4 --mix plain,1:0,1:1,0:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from calibration_levers import row
+
+from vllm_embed_plugin import importance
+from vllm_embed_plugin.formats import ColumnImportance
+from vllm_embed_plugin.formats.base import shrink
+from vllm_embed_plugin.tools import evaluate, real_models
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--formats", default="int8,int4")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument(
+        "--mix",
+        default="1:0,1:1",
+        help="variants a:b, rounding against a * shrunk M + b * S; 'plain' for no file",
+    )
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    path = real_models.resolve(args.model)
+    run = evaluate.FidelityRun(
+        path,
+        evaluate.packaged_domains(),
+        window=256,
+        windows=args.windows,
+        progress=False,
+    )
+    measured = run.measured.second_moment.double()
+    fisher = run.measured.input_fisher.double()
+    print(
+        f"trace(S) / trace(M) = {fisher.trace() / measured.trace():.3g}; "
+        f"diag(S) max/mean {fisher.diagonal().max() / fisher.diagonal().mean():.3g}, "
+        f"diag(M) max/mean {measured.diagonal().max() / measured.diagonal().mean():.3g}",
+        flush=True,
+    )
+
+    def tied(moment):
+        return ColumnImportance.from_second_moment(moment, joint=True)
+
+    default_shrink = ColumnImportance.SHRINK
+    for fmt in args.formats.split(","):
+        for mix in args.mix.split(","):
+            if mix == "plain":
+                result = run.evaluate(row(fmt, None, f"{fmt} plain"))
+            else:
+                a, b = (float(x) for x in mix.split(":"))
+                # from_second_moment shrinks by ColumnImportance.SHRINK: shrink here, not there.
+                ColumnImportance.SHRINK = 0.0
+                moment = a * shrink(measured, default_shrink) + b * fisher
+                run.measured = importance.Calibration(moment.float())
+                result = run.evaluate(row(fmt, tied, f"{fmt} {mix}"))
+                ColumnImportance.SHRINK = default_shrink
+            cells = [
+                f"{d} {result.domain(d, 'tied').kld_mean:.2e} ({result.domain(d, 'input').kld_mean:.2e})"
+                for d in run.domain_names
+            ]
+            print(f"{fmt} {mix:<6} " + " | ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
