@@ -28,6 +28,28 @@ def gini_weighted(h: torch.Tensor, gini: torch.Tensor, power: float) -> torch.Te
     return ((h * w[:, None]).T @ h / w.sum()).float()
 
 
+def per_domain(run: evaluate.FidelityRun, result: evaluate.Result) -> str:
+    """Tied KLD and, in brackets, input-only KLD of each domain, on one line."""
+    return " | ".join(
+        f"{d} {result.domain(d, 'tied').kld_mean:.2e} ({result.domain(d, 'input').kld_mean:.2e})"
+        for d in run.domain_names
+    )
+
+
+def tied_against(run: evaluate.FidelityRun, fmt: str, moment: torch.Tensor, label: str) -> str:
+    """`fmt` with every row rounded jointly against `moment` as given (not shrunk again)."""
+    default_shrink = ColumnImportance.SHRINK
+    ColumnImportance.SHRINK = 0.0  # from_second_moment would shrink it again
+    try:
+        run.measured = importance.Calibration(moment.float())
+        result = run.evaluate(
+            row(fmt, lambda m: ColumnImportance.from_second_moment(m, joint=True), label)
+        )
+    finally:
+        ColumnImportance.SHRINK = default_shrink
+    return per_domain(run, result)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model")
@@ -66,22 +88,10 @@ def main() -> int:
         for power in [float(a) for a in args.gini.split(",")]:
             variants[f"gini^{power:g}"] = (gini_weighted(h, gini, power), ColumnImportance.SHRINK)
 
-    def tied(moment):
-        return ColumnImportance.from_second_moment(moment, joint=True)
-
-    default_shrink = ColumnImportance.SHRINK
     for fmt in args.formats.split(","):
         for label, (moment, amount) in variants.items():
-            # from_second_moment shrinks by ColumnImportance.SHRINK: shrink here, not there.
-            ColumnImportance.SHRINK = 0.0
-            run.measured = importance.Calibration(shrink(moment.double(), amount).float())
-            result = run.evaluate(row(fmt, tied, f"{fmt} {label}"))
-            ColumnImportance.SHRINK = default_shrink
-            cells = [
-                f"{d} {result.domain(d, 'tied').kld_mean:.2e} ({result.domain(d, 'input').kld_mean:.2e})"
-                for d in run.domain_names
-            ]
-            print(f"{fmt} {label:<12} " + " | ".join(cells), flush=True)
+            line = tied_against(run, fmt, shrink(moment.double(), amount), f"{fmt} {label}")
+            print(f"{fmt} {label:<12} {line}", flush=True)
     return 0
 
 

@@ -19,8 +19,8 @@ import sys
 
 import torch
 from calibration_levers import row
+from calibration_weighting import per_domain, tied_against
 
-from vllm_embed_plugin import importance
 from vllm_embed_plugin.formats import ColumnImportance
 from vllm_embed_plugin.formats.base import shrink
 from vllm_embed_plugin.tools import evaluate, real_models
@@ -55,27 +55,15 @@ def main() -> int:
         flush=True,
     )
 
-    def tied(moment):
-        return ColumnImportance.from_second_moment(moment, joint=True)
-
-    default_shrink = ColumnImportance.SHRINK
     for fmt in args.formats.split(","):
         for mix in args.mix.split(","):
             if mix == "plain":
-                result = run.evaluate(row(fmt, None, f"{fmt} plain"))
+                line = per_domain(run, run.evaluate(row(fmt, None, f"{fmt} plain")))
             else:
                 a, b = (float(x) for x in mix.split(":"))
-                # from_second_moment shrinks by ColumnImportance.SHRINK: shrink here, not there.
-                ColumnImportance.SHRINK = 0.0
-                moment = a * shrink(measured, default_shrink) + b * fisher
-                run.measured = importance.Calibration(moment.float())
-                result = run.evaluate(row(fmt, tied, f"{fmt} {mix}"))
-                ColumnImportance.SHRINK = default_shrink
-            cells = [
-                f"{d} {result.domain(d, 'tied').kld_mean:.2e} ({result.domain(d, 'input').kld_mean:.2e})"
-                for d in run.domain_names
-            ]
-            print(f"{fmt} {mix:<6} " + " | ".join(cells), flush=True)
+                moment = a * shrink(measured, ColumnImportance.SHRINK) + b * fisher
+                line = tied_against(run, fmt, moment, f"{fmt} {mix}")
+            print(f"{fmt} {mix:<6} {line}", flush=True)
     return 0
 
 
