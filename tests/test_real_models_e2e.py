@@ -12,7 +12,9 @@ pytestmark = pytest.mark.e2e
 
 CASES = {
     # SmolLM2 is instruction-tuned: ask it. Gemma 3 270M is a base model: let it complete.
-    "smollm2": ("--chat", "What is the capital of France?"),
+    # Not the bare question: in BF16 its first token is a near tie ('L' -1.83, 'The' -1.96
+    # nats on one CPU), which machines break differently; this one leads by 1.5 nats.
+    "smollm2": ("--chat", "What is the capital of France? Answer in one word."),
     "gemma3-270m": ("--text", "The capital of France is"),
 }
 

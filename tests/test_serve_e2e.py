@@ -30,7 +30,8 @@ SERVER_ARGS = (
     "--seed",
     "0",
 )
-QUESTION = "What is the capital of France?"
+# The bare question is a near tie in BF16 on some CPUs (tests/test_real_models_e2e.py).
+QUESTION = "What is the capital of France? Answer in one word."
 PROMPTS = [
     "The capital of France is",
     "The largest planet in the solar system is",
