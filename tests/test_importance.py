@@ -50,6 +50,12 @@ def test_file_round_trip_and_checks(tmp_path):
     bad = importance.save(tmp_path / "bad.safetensors", torch.diag(torch.tensor([1.0, 0.0])), {})
     with pytest.raises(importance.ImportanceError, match="not positive"):
         importance.load(bad, 2, "lookup")
+    indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]])  # positive diagonal, eigenvalue -1
+    bad = importance.save(tmp_path / "indefinite.safetensors", indefinite, {})
+    with pytest.raises(importance.ImportanceError, match="'.*indefinite.safetensors' is not a"):
+        importance.load(bad, 2, "head")
+    with pytest.raises(importance.ImportanceError, match="^the measured calibration is not a"):
+        importance.for_role(importance.read(bad), "head")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(importance.ImportanceError, match="not a readable importance file"):

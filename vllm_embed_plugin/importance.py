@@ -143,22 +143,21 @@ def load(path: str | Path, cols: int, role: Role) -> ColumnImportance:
             f"{str(path)!r} is {tuple(calibration.second_moment.shape)}, but this table has "
             f"{cols} columns: it was measured on another model"
         )
-    return for_role(calibration, role, str(path))
+    return for_role(calibration, role, repr(str(path)))
 
 
 def for_role(
-    calibration: Calibration, role: Role, source: str = "the importance"
+    calibration: Calibration, role: Role, source: str = "the measured calibration"
 ) -> ColumnImportance:
-    """`calibration` as the importance of a table used as `role` (see `load`)."""
+    """`calibration` as the importance of a table used as `role` (see `load`); `source` names
+    it in an error."""
     fisher = calibration.input_fisher if role == "tied" else None
     try:
         return ColumnImportance.from_second_moment(
             calibration.second_moment, role != "lookup", fisher
         )
     except torch.linalg.LinAlgError:
-        raise ImportanceError(
-            f"{source!r} is not a second moment (not positive definite)"
-        ) from None
+        raise ImportanceError(f"{source} is not a second moment (not positive definite)") from None
 
 
 def read_meta(path: str | Path) -> dict:

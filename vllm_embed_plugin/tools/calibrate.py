@@ -96,7 +96,7 @@ def measure(
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     windows = spread_windows(tokenizer, text, window, max_positions // window)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
-    tied = is_tied(model)
+    tied = is_tied(model.config)
     print(
         f"calibrate: {len(windows)} windows of {windows.shape[1]} tokens, "
         f"{windows.numel()} positions (--positions {max_positions} is a cap)"
@@ -117,8 +117,10 @@ def measure(
     return moment, fisher, meta
 
 
-def is_tied(model) -> bool:
-    return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+def is_tied(config) -> bool:
+    """Whether a transformers config (multimodal ones by their text model) ties its LM head to
+    the input embedding."""
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def measure_model(

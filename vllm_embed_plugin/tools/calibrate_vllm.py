@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import ToolError
-from .calibrate import DEFAULT_POSITIONS, DEFAULT_WINDOW, spread_windows
+from .calibrate import DEFAULT_POSITIONS, DEFAULT_WINDOW, is_tied, spread_windows
 
 #: The attribute on the worker's model that holds the running sums while a hook is installed.
 STATE = "_vllm_embed_calibration"
@@ -157,13 +157,13 @@ def measure_vllm(
         if n != count or not torch.allclose(other, total, rtol=1e-2, atol=1e-6 * total.abs().max()):
             raise ToolError(f"tensor-parallel rank {rank} saw another hidden state than rank 0")
     del llm
-    config = AutoConfig.from_pretrained(str(model_path)).get_text_config()
+    config = AutoConfig.from_pretrained(str(model_path))
     meta = {
         "model": str(model_path),
-        "rows": config.vocab_size,
+        "rows": config.get_text_config().vocab_size,
         "cols": total.shape[0],
         "positions": count,
-        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "tied": is_tied(config),
         "engine": "vllm",
     }
     return (total / count).float(), meta
