@@ -153,6 +153,34 @@ def test_importance_lowers_what_the_error_costs(name):
     assert joint < 0.2 * weighted
 
 
+@pytest.mark.parametrize("name", ["int8", "int5", "int4"])
+def test_refitting_the_scales_to_the_joint_codes_lowers_the_cost(name, monkeypatch):
+    """After GPTQ chose a row's codes against scales fitted beforehand, the least-squares
+    scales (and minimums) for those codes under the same metric never cost more, row by row,
+    and a row whose codes are all zero keeps its scales."""
+    cols = 128
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(512, cols, generator=gen) * 0.02
+    rows[:8] = 0.0  # rows of zeros: all their codes are zero, and their scales are kept
+    joint = ColumnImportance.from_second_moment(random_moment(cols, seed=6), joint=True)
+    fmt = make_format(name, weighted=True)
+
+    def row_costs(refits):
+        monkeypatch.setattr(ColumnImportance, "REFIT_ROUNDS", refits)
+        packed = fmt.quantize(rows, joint)
+        d = fmt.dequantize(packed, cols, torch.float32) - rows
+        return ((d @ joint.metric) * d).sum(-1), packed
+
+    gptq, before = row_costs(0)
+    refit, after = row_costs(1)
+    assert torch.equal(after.codes, before.codes)  # one refit moves the scales only
+    assert bool((refit <= gptq * (1 + 1e-5)).all())
+    assert refit.sum() < 0.995 * gptq.sum()
+    assert torch.equal(after.scales[:8], before.scales[:8])
+    again, _ = row_costs(2)  # rounded again against the refitted scales, then refitted
+    assert again.sum() < gptq.sum()
+
+
 @pytest.mark.parametrize("name", ["int8", "int6", "int5", "int4"])
 def test_an_untied_table_is_exactly_the_plain_one(name):
     """A file must never make an untied (lookup-only) table worse. M describes the LM head's

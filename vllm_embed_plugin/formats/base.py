@@ -68,6 +68,9 @@ class ColumnImportance:
     inverse_factor: torch.Tensor | None = None
     #: An untied table: quantize by the plain rule, as without an importance.
     lookup_only: bool = False
+    #: [cols, cols] the damped M (+ S) itself, whose inverse `inverse_factor` factors: after
+    #: the joint rounding, the group scales are refitted against it (`formats.integer`).
+    metric: torch.Tensor | None = None
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
@@ -75,6 +78,11 @@ class ColumnImportance:
     #: corpus describes other text only in part, and the shrunk M generalises better (lower
     #: tied KLD on held-out code, prose and chat than M as measured; docs/FIDELITY.md).
     SHRINK = 0.1
+    #: Refits of the group scales to the codes after the joint rounding (`formats.integer`),
+    #: the rows rounded again between two refits: GPTQ fits the scales before it rounds, to
+    #: the values as loaded; once the codes are chosen, the scales that cost least for them
+    #: solve a small least-squares problem per row. 0: none.
+    REFIT_ROUNDS = 2
 
     def __post_init__(self) -> None:
         # Checked once here, not on every chunk a format quantizes.
@@ -101,11 +109,19 @@ class ColumnImportance:
             moment.shape[0], dtype=moment.dtype, device=moment.device
         )
         inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
-        return cls(weights, torch.linalg.cholesky(inverse, upper=True).float())
+        factor = torch.linalg.cholesky(inverse, upper=True).float()
+        return cls(weights, factor, metric=damped.float())
 
     def to(self, device) -> ColumnImportance:
-        factor = None if self.inverse_factor is None else self.inverse_factor.to(device)
-        return ColumnImportance(self.weights.to(device), factor, self.lookup_only)
+        def moved(t):
+            return None if t is None else t.to(device)
+
+        return ColumnImportance(
+            self.weights.to(device),
+            moved(self.inverse_factor),
+            self.lookup_only,
+            moved(self.metric),
+        )
 
 
 def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:

@@ -109,9 +109,7 @@ class IntFormat(TableFormat):
         # Padded columns carry no weight in the fit.
         weight = _pad_cols(col_weight, groups * g).view(1, groups, g)
         if importance is not None and importance.inverse_factor is not None:
-            levels, scale, mins = self._fit_jointly(
-                rows.float(), weight, importance.inverse_factor, round_group
-            )
+            levels, scale, mins = self._fit_jointly(rows.float(), weight, importance, round_group)
         else:
             levels, scale, mins = self._fit(
                 _pad_cols(rows.float(), groups * g).view(n, groups, g), weight
@@ -135,27 +133,29 @@ class IntFormat(TableFormat):
         self,
         rows: torch.Tensor,
         weight: torch.Tensor,
-        inverse_factor: torch.Tensor,
+        importance: ColumnImportance,
         round_group: GroupRounder | None = None,
     ):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded in order, each column's error (scaled by the inverse
-        factor of M) moved into the columns not yet rounded. Levels come back [n, cols]."""
+        factor of M) moved into the columns not yet rounded. Then the scales are refitted to
+        the codes (`refit_scales`), `REFIT_ROUNDS` times, the rows rounded again against the
+        refitted scales between two refits. Levels come back [n, cols]."""
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
-        levels = round_jointly(
-            rows,
-            scale,
-            mins,
-            inverse_factor.to(rows.device, torch.float32),
-            g,
-            self.bits,
-            self.symmetric,
-            round_group,
-        )
+        factor = importance.inverse_factor.to(rows.device, torch.float32)
+        levels = round_jointly(rows, scale, mins, factor, g, self.bits, self.symmetric, round_group)
+        refits = importance.REFIT_ROUNDS if importance.metric is not None else 0
+        for refit in range(refits):
+            if refit:  # the rows again, against the scales refitted last
+                levels = round_jointly(
+                    rows, scale, mins, factor, g, self.bits, self.symmetric, round_group
+                )
+            metric = importance.metric.to(rows.device, torch.float32)
+            scale, mins = refit_scales(rows, levels, scale, mins, metric, g, self.scale_dtype)
         return levels, scale, mins
 
     def dequantize(self, packed: PackedRows, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -274,6 +274,64 @@ def round_jointly(
         if b < cols:
             work[:, b:] -= carried @ factor[a:b, b:]
     return levels
+
+
+def refit_scales(
+    rows: torch.Tensor,
+    levels: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    metric: torch.Tensor,
+    group: int,
+    scale_dtype: torch.dtype,
+    chunk_elements: int = 1 << 24,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales [n, groups] (and minimums) that cost least for fixed `levels` [n, cols]: a row
+    w is stored as w' = sum_k s_k q_k (+ m_k 1_k) over its groups k, and the error costs
+    (w - w') H (w - w')^T for the `metric` H [cols, cols]; so the group scales (and minimums)
+    of a row solve a [groups (x2)] linear system. A row keeps its old scales where the new
+    ones, as stored in `scale_dtype`, would not cost less."""
+    n, cols = rows.shape
+    groups = scale.shape[1]
+    padded = groups * group
+    metric = torch.nn.functional.pad(metric, (0, padded - cols, 0, padded - cols))
+    blocks = metric.view(padded, groups, group)
+    valid = _pad_cols(torch.ones(1, cols, device=rows.device), padded).view(1, groups, group)
+    width = 1 if mins is None else 2
+    new_scale, new_mins = scale.clone(), None if mins is None else mins.clone()
+    step = max(1, chunk_elements // (padded * groups * width))
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        q = _pad_cols(levels[a:b], padded).view(b - a, groups, group)
+        basis = q[..., None] if mins is None else torch.stack([q, valid.expand_as(q)], -1)
+        # H Q, then Q^T H Q and Q^T H w: [rows, groups * width] systems.
+        hq = torch.einsum("ikj,bkjc->bikc", blocks, basis)
+        lhs = torch.einsum("bkic,bkild->bkcld", basis, hq.view(b - a, groups, group, groups, width))
+        lhs = lhs.reshape(b - a, groups * width, groups * width)
+        hw = _pad_cols(rows[a:b], padded) @ metric
+        rhs = torch.einsum("bkic,bki->bkc", basis, hw.view(b - a, groups, group))
+        old = scale[a:b, :, None] if mins is None else torch.stack([scale[a:b], mins[a:b]], -1)
+        old = old.reshape(b - a, groups * width)
+        # A tiny ridge toward the old values: a group whose codes are all zero keeps its scale.
+        ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
+        eye = torch.eye(groups * width, device=rows.device)
+        fitted = torch.linalg.solve(
+            lhs + ridge[..., None] * eye, rhs.reshape(b - a, -1) + ridge * old
+        )
+        fitted = fitted.to(scale_dtype).float()
+
+        def cost(values):
+            err = _pad_cols(rows[a:b], padded) - torch.einsum(
+                "bkic,bkc->bki", basis, values.view(b - a, groups, width)
+            ).reshape(b - a, padded)
+            return ((err @ metric) * err).sum(-1)
+
+        better = (cost(fitted) < cost(old)) & fitted.isfinite().all(-1)
+        chosen = torch.where(better[:, None], fitted, old).view(b - a, groups, width)
+        new_scale[a:b] = chosen[..., 0]
+        if new_mins is not None:
+            new_mins[a:b] = chosen[..., 1]
+    return new_scale, new_mins
 
 
 def round_group_jointly_torch(
