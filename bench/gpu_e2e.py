@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -303,6 +304,16 @@ def spec_counters(llm) -> dict:
     return out
 
 
+#: Lines of an engine's log that a start-up failure quotes.
+ERROR_LINES = 30
+
+
+def log_file(log_dir: Path, name: str) -> Path:
+    """An engine's log: its name with only [A-Za-z0-9._-] (engine names hold '+' and '=', which
+    some file transfers drop)."""
+    return log_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".log")
+
+
 def emit(message: dict) -> None:
     print("E2E_JSON " + json.dumps(message), flush=True)
 
@@ -312,7 +323,7 @@ class Engine:
 
     def __init__(self, name: str, cfg: dict, env: dict, log_dir: Path):
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
+        self.log_path = log_file(log_dir, name)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EMBED_")}
         full_env.update(BASE_ENV)
         full_env.update(env)
@@ -337,8 +348,11 @@ class Engine:
                     self.log.flush()
                     return message
         self.log.flush()
+        # The log's last lines in the message: the JSON keeps them where the log is not kept.
+        tail = "".join(self.log_text().splitlines(keepends=True)[-ERROR_LINES:])
         raise RuntimeError(
-            f"{self.name}: engine exited (rc={self.proc.wait()}); see {self.log_path}"
+            f"{self.name}: engine exited (rc={self.proc.wait()}); see {self.log_path}; its last "
+            f"lines:\n{tail}"
         )
 
     def ask(self, request: dict, event: str) -> dict:
@@ -463,8 +477,8 @@ def measure_model(
         for fmt, engine in engines.items():
             greedy = engine.ask({"op": "greedy"}, "greedy")
             results["formats"][fmt]["greedy"] = greedy
-        reference = results["formats"]["off"]["greedy"]
-        for fmt in formats:
+        reference = results["formats"].get("off", {}).get("greedy")
+        for fmt in formats if reference else ():  # agreement needs the BF16 engine in this run
             greedy = results["formats"][fmt]["greedy"]
             same = sum(
                 a == b for r, g in zip(reference["tokens"], greedy["tokens"]) for a, b in zip(r, g)
@@ -740,7 +754,9 @@ def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, res
         except RuntimeError as exc:
             results[label] = {
                 "error": str(exc),
-                "log_tail": (log_dir / f"{name}-{label}.log").read_text(errors="replace")[-4000:],
+                "log_tail": log_file(log_dir, f"{name}-{label}").read_text(errors="replace")[
+                    -4000:
+                ],
             }
             print(f"[{name}] {label} FAILED: {exc}", flush=True)
             continue

@@ -124,3 +124,10 @@ def test_the_summary_survives_a_bf16_engine_that_never_started():
     text = gpu_e2e.summarize(out)
     assert "No finished BF16 engine" in text
     assert "- untied: untied-off: engine exited (rc=1)" in text
+
+
+def test_engine_logs_have_names_every_file_transfer_keeps():
+    """Engine names hold '+' and '=' (int8+head=int8); a log named so did not come back from
+    the GPU machine, which hid why that engine failed."""
+    path = gpu_e2e.log_file(Path("logs"), "untied-int8+head=int8")
+    assert path == Path("logs") / "untied-int8_head_int8.log"
