@@ -66,10 +66,11 @@ def main() -> int:
     lines = []
     ids = torch.randint(0, rows, (args.lookup,), device="cuda")
     bf_peak, bf_after = footprint(lambda: F.embedding(ids, weight))
+    tables = {name: random_packed(FORMATS[name], rows, cols) for name in names}
+    keys = {name: kernels.register_format(FORMATS[name]) for name in names}
     row = [f"lookup n={args.lookup}", f"{bf_peak:.1f} / {bf_after:.1f}"]
     for name in names:
-        table = random_packed(FORMATS[name], rows, cols)
-        key = kernels.register_format(FORMATS[name])
+        table, key = tables[name], keys[name]
         peak, after = footprint(lambda: kernels.lookup(key, table, ids, cols, torch.bfloat16))
         row.append(f"{peak:.1f} / {after:.1f} ({peak - bf_peak:+.1f})")
     lines.append(row)
@@ -78,13 +79,12 @@ def main() -> int:
         bf_peak, bf_after = footprint(lambda: F.linear(x, weight))
         row = [f"head M={m}", f"{bf_peak:.1f} / {bf_after:.1f}"]
         for name in names:
-            table = random_packed(FORMATS[name], rows, cols)
-            key = kernels.register_format(FORMATS[name])
+            table, key = tables[name], keys[name]
             graphs = kernels.HeadGraphs()
             peak, after = footprint(lambda: kernels.linear(key, table, x, cols, graphs=graphs))
             again, _ = footprint(lambda: kernels.linear(key, table, x, cols, graphs=graphs))
             row.append(f"{peak:.1f} / {after:.1f} ({peak - bf_peak:+.1f}; replay {again:.1f})")
-            del graphs, table
+            del graphs
         lines.append(row)
     report = (
         f"# Memory of a packed table's calls, {rows} x {cols}, {torch.cuda.get_device_name(0)}\n\n"

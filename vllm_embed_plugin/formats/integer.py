@@ -148,13 +148,14 @@ class IntFormat(TableFormat):
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
         factor = importance.inverse_factor.to(rows.device, torch.float32)
         levels = round_jointly(rows, scale, mins, factor, g, self.bits, self.symmetric, round_group)
-        refits = importance.REFIT_ROUNDS if importance.metric is not None else 0
-        for refit in range(refits):
+        if importance.metric is None:
+            return levels, scale, mins
+        metric = importance.metric.to(rows.device, torch.float32)
+        for refit in range(importance.REFIT_ROUNDS):
             if refit:  # the rows again, against the scales refitted last
                 levels = round_jointly(
                     rows, scale, mins, factor, g, self.bits, self.symmetric, round_group
                 )
-            metric = importance.metric.to(rows.device, torch.float32)
             scale, mins = refit_scales(rows, levels, scale, mins, metric, g, self.scale_dtype)
         return levels, scale, mins
 
@@ -299,29 +300,30 @@ def refit_scales(
     valid = _pad_cols(torch.ones(1, cols, device=rows.device), padded).view(1, groups, group)
     width = 1 if mins is None else 2
     new_scale, new_mins = scale.clone(), None if mins is None else mins.clone()
+    eye = torch.eye(groups * width, device=rows.device)
     step = max(1, chunk_elements // (padded * groups * width))
     for a in range(0, n, step):
         b = min(a + step, n)
+        w = _pad_cols(rows[a:b], padded)
         q = _pad_cols(levels[a:b], padded).view(b - a, groups, group)
         basis = q[..., None] if mins is None else torch.stack([q, valid.expand_as(q)], -1)
         # H Q, then Q^T H Q and Q^T H w: [rows, groups * width] systems.
         hq = torch.einsum("ikj,bkjc->bikc", blocks, basis)
         lhs = torch.einsum("bkic,bkild->bkcld", basis, hq.view(b - a, groups, group, groups, width))
         lhs = lhs.reshape(b - a, groups * width, groups * width)
-        hw = _pad_cols(rows[a:b], padded) @ metric
+        hw = w @ metric
         rhs = torch.einsum("bkic,bki->bkc", basis, hw.view(b - a, groups, group))
         old = scale[a:b, :, None] if mins is None else torch.stack([scale[a:b], mins[a:b]], -1)
         old = old.reshape(b - a, groups * width)
         # A tiny ridge toward the old values: a group whose codes are all zero keeps its scale.
         ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
-        eye = torch.eye(groups * width, device=rows.device)
         fitted = torch.linalg.solve(
             lhs + ridge[..., None] * eye, rhs.reshape(b - a, -1) + ridge * old
         )
         fitted = fitted.to(scale_dtype).float()
 
         def cost(values):
-            err = _pad_cols(rows[a:b], padded) - torch.einsum(
+            err = w - torch.einsum(
                 "bkic,bkc->bki", basis, values.view(b - a, groups, width)
             ).reshape(b - a, padded)
             return ((err @ metric) * err).sum(-1)
