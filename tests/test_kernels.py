@@ -185,6 +185,22 @@ INTERPRETER_CHECK = textwrap.dedent(
             x[2] = 0
             ref, out = fmt.quantize(x), triton_quantize.quantize_rows_fast(fmt, x)
             assert torch.equal(ref.codes, out.codes) and torch.equal(ref.scales, out.scales)
+    # GPTQ's group kernel on blocks of columns visited most important first, so that one
+    # block mixes the scales of several groups.
+    from vllm_embed_plugin.formats import ColumnImportance
+    from vllm_embed_plugin.formats.integer import round_jointly
+    from vllm_embed_plugin.kernels import triton_joint
+    h = torch.randn(400, 96)
+    h[:, 70] += 20.0
+    joint = ColumnImportance.from_second_moment(h.T @ h / 400, joint=True)
+    assert joint.order[0] == 70
+    v = torch.randn(50, 96) * 0.02
+    for bits, symmetric, group in ((8, True, 32), (4, False, 32), (5, False, 64)):
+        packed = IntFormat("q", bits, group, symmetric=symmetric).quantize(v)
+        mins = None if packed.mins is None else packed.mins.float()
+        args = (v, packed.scales.float(), mins, joint.inverse_factor, group, bits, symmetric)
+        fast = round_jointly(*args, round_group=triton_joint.round_group_jointly, order=joint.order)
+        assert (fast == round_jointly(*args, order=joint.order)).float().mean() > 0.99, bits
     print("ok")
     """
 )
@@ -396,10 +412,8 @@ def test_gpu_joint_rounding_follows_the_torch_loop(bits, symmetric, group):
         symmetric,
         round_group=kernels.round_group_jointly_fast,
     )
-    step, low = (
-        scales[:, 0].contiguous(),
-        torch.zeros(rows, device="cuda") if mins is None else mins[:, 0].contiguous(),
-    )
+    step = scales[:, :1].expand(rows, group).contiguous()
+    low = torch.zeros_like(step) if mins is None else mins[:, :1].expand(rows, group).contiguous()
     # Whole groups: compare the first group exactly as the loop computes it.
     ref_levels, ref_carried = round_group_jointly_torch(
         values[:, :group], step, low, factor[:group, :group], bits, symmetric

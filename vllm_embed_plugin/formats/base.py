@@ -50,7 +50,9 @@ class ColumnImportance:
 
     `weights` (M's diagonal) steer the scale search. With `inverse_factor` the codes of each
     row are also chosen jointly (GPTQ): the rounding error of a column is carried into the
-    columns after it, so it cancels in the logits instead of adding up. A tied table, also
+    columns after it, so it cancels in the logits instead of adding up. The columns are
+    visited most important first (`order`, GPTQ's act-order), so the few columns whose error
+    costs most are rounded before any error is carried into them. A tied table, also
     looked up, is rounded against M + S where the file holds S, the lookup's own cost.
 
     With `lookup_only` (an untied table) the importance is not used at all: the format
@@ -64,13 +66,17 @@ class ColumnImportance:
 
     #: [cols] positive: the cost of a squared error in each column.
     weights: torch.Tensor
-    #: [cols, cols] upper Cholesky factor of (M + damping)^-1, or None for per-column weights only.
+    #: [cols, cols] upper Cholesky factor of (M + damping)^-1 with rows and columns taken in
+    #: `order`, or None for per-column weights only.
     inverse_factor: torch.Tensor | None = None
     #: An untied table: quantize by the plain rule, as without an importance.
     lookup_only: bool = False
     #: [cols, cols] the damped M (+ S) itself, whose inverse `inverse_factor` factors: after
     #: the joint rounding, the group scales are refitted against it (`formats.integer`).
     metric: torch.Tensor | None = None
+    #: [cols] int64: the columns in the order the joint rounding visits them, by descending
+    #: diagonal of the damped M (+ S).
+    order: torch.Tensor | None = None
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
@@ -108,9 +114,11 @@ class ColumnImportance:
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
             moment.shape[0], dtype=moment.dtype, device=moment.device
         )
-        inverse = torch.cholesky_inverse(torch.linalg.cholesky(damped))
+        order = torch.argsort(damped.diagonal(), descending=True, stable=True)
+        visited = damped[order][:, order]
+        inverse = torch.cholesky_inverse(torch.linalg.cholesky(visited))
         factor = torch.linalg.cholesky(inverse, upper=True).float()
-        return cls(weights, factor, metric=damped.float())
+        return cls(weights, factor, metric=damped.float(), order=order)
 
     def to(self, device) -> ColumnImportance:
         def moved(t):
@@ -121,6 +129,7 @@ class ColumnImportance:
             moved(self.inverse_factor),
             self.lookup_only,
             moved(self.metric),
+            moved(self.order),
         )
 
 
@@ -130,7 +139,7 @@ def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
     return (1 - amount) * moment + amount * moment.diagonal().mean() * eye
 
 
-#: (values [n, width], step [n], low [n], factor [width, width], bits, symmetric) ->
+#: (values, step, low [n, width], factor [width, width], bits, symmetric) ->
 #: (levels, carried errors) [n, width], or None where it does not apply (the torch loop
 #: `formats.integer.round_group_jointly_torch` then runs). The conversion passes a GPU kernel.
 GroupRounder = Callable[

@@ -138,8 +138,8 @@ class IntFormat(TableFormat):
     ):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
-        then the columns are rounded in order, each column's error (scaled by the inverse
-        factor of M) moved into the columns not yet rounded. Then the scales are refitted to
+        then the columns are rounded most important first (`importance.order`), each column's
+        error (scaled by the inverse factor of M) moved into the columns not yet rounded. Then the scales are refitted to
         the codes (`refit_scales`), `REFIT_ROUNDS` times, the rows rounded again against the
         refitted scales between two refits. Levels come back [n, cols]."""
         n, cols = rows.shape
@@ -147,15 +147,20 @@ class IntFormat(TableFormat):
         groups = self.num_groups(cols)
         _, scale, mins = self._fit(_pad_cols(rows, groups * g).view(n, groups, g), weight)
         factor = importance.inverse_factor.to(rows.device, torch.float32)
-        levels = round_jointly(rows, scale, mins, factor, g, self.bits, self.symmetric, round_group)
+        order = importance.order.to(rows.device) if importance.order is not None else None
+
+        def rounded():
+            return round_jointly(
+                rows, scale, mins, factor, g, self.bits, self.symmetric, round_group, order
+            )
+
+        levels = rounded()
         if importance.metric is None:
             return levels, scale, mins
         metric = importance.metric.to(rows.device, torch.float32)
         for refit in range(importance.REFIT_ROUNDS):
             if refit:  # the rows again, against the scales refitted last
-                levels = round_jointly(
-                    rows, scale, mins, factor, g, self.bits, self.symmetric, round_group
-                )
+                levels = rounded()
             scale, mins = refit_scales(rows, levels, scale, mins, metric, g, self.scale_dtype)
         return levels, scale, mins
 
@@ -253,27 +258,36 @@ def round_jointly(
     bits: int,
     symmetric: bool,
     round_group: GroupRounder | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Levels [n, cols] for float32 rows with fixed group scales [n, groups] (and minimums),
     rounded column by column with GPTQ's error feedback through the upper `factor` [cols, cols].
 
-    Within a group every column waits for the one before it; the next groups take the group's
-    carried errors in one matrix product. `round_group` (the conversion passes a Triton kernel
-    on CUDA) rounds a whole group at once; the torch loop below is the reference."""
+    The columns are visited in `order` (default: as stored), which `factor` follows; each keeps
+    its own group's scale (GPTQ's static groups), so a block of visited columns may mix groups.
+    Within a block of `group` columns every column waits for the one before it; the columns
+    after it take the block's carried errors in one matrix product. `round_group` (the
+    conversion passes a Triton kernel on CUDA) rounds a whole block at once; the torch loop
+    below is the reference."""
     n, cols = rows.shape
-    work = rows.clone()
-    levels = torch.empty_like(rows)
-    for k, a in enumerate(range(0, cols, group)):
+    if order is None:
+        order = torch.arange(cols, device=rows.device)
+    work = rows[:, order]
+    visited = torch.empty_like(rows)
+    group_of = order // group
+    for a in range(0, cols, group):
         b = min(a + group, cols)
-        step = scale[:, k].contiguous()
-        low = torch.zeros_like(step) if mins is None else mins[:, k].contiguous()
+        step = scale[:, group_of[a:b]].contiguous()
+        low = torch.zeros_like(step) if mins is None else mins[:, group_of[a:b]].contiguous()
         args = (work[:, a:b], step, low, factor[a:b, a:b], bits, symmetric)
         rounded = round_group(*args) if round_group is not None else None
-        levels[:, a:b], carried = (
+        visited[:, a:b], carried = (
             rounded if rounded is not None else round_group_jointly_torch(*args)
         )
         if b < cols:
             work[:, b:] -= carried @ factor[a:b, b:]
+    levels = torch.empty_like(rows)
+    levels[:, order] = visited
     return levels
 
 
@@ -351,9 +365,9 @@ def round_group_jointly_torch(
     carried = torch.empty_like(values)
     for j in range(width):
         value = values[:, j]
-        scaled = (value - low) * inv
+        scaled = (value - low[:, j]) * inv[:, j]
         level = _round_symmetric(scaled, bits) if symmetric else _round_affine(scaled, bits)
-        error = (value - (level * step + low)) / factor[j, j]
+        error = (value - (level * step[:, j] + low[:, j])) / factor[j, j]
         values[:, j + 1 :] -= error[:, None] * factor[j, j + 1 :]
         levels[:, j] = level
         carried[:, j] = error

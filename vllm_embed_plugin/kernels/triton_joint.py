@@ -22,6 +22,7 @@ def _round_group_kernel(
     values_stride,
     step_ptr,
     low_ptr,
+    step_stride,
     factor_ptr,
     factor_stride,
     levels_ptr,
@@ -40,14 +41,15 @@ def _round_group_kernel(
     cmask = c < width
     mask = rmask[:, None] & cmask[None, :]
     tile = tl.load(values_ptr + r[:, None] * values_stride + c[None, :], mask=mask, other=0.0)
-    step = tl.load(step_ptr + r, mask=rmask, other=0.0)
-    low = tl.load(low_ptr + r, mask=rmask, other=0.0)
-    inv = _safe_recip(step)
     levels = tl.zeros([BR, G], dtype=tl.float32)
     carried = tl.zeros([BR, G], dtype=tl.float32)
     for j in range(0, width):
         here = (c == j)[None, :]
         value = tl.sum(tl.where(here, tile, 0.0), axis=1)
+        # Each column has its own group's scale: the columns of a block may mix groups.
+        step = tl.load(step_ptr + r * step_stride + j, mask=rmask, other=0.0)
+        low = tl.load(low_ptr + r * step_stride + j, mask=rmask, other=0.0)
+        inv = _safe_recip(step)
         level = tl.minimum(tl.maximum(_rint((value - low) * inv), QMIN), QMAX)
         back = level * step
         back = back + low
@@ -69,7 +71,8 @@ def round_group_jointly(
     bits: int,
     symmetric: bool,
 ):
-    """(levels, carried errors) [rows, width] float32; None if the group is too wide."""
+    """(levels, carried errors) [rows, width] float32 for step and low [rows, width]; None if
+    the group is too wide."""
     rows, width = values.shape
     if width > 256 or values.dtype != torch.float32 or values.stride(1) != 1:
         return None
@@ -79,12 +82,15 @@ def round_group_jointly(
     levels = torch.empty(rows, width, device=values.device, dtype=torch.float32)
     carried = torch.empty_like(levels)
     factor = factor.contiguous()
+    step = step.float().contiguous()
+    low = low.float().contiguous()
     grid = (triton.cdiv(rows, block_rows),)
     _round_group_kernel[grid](
         values,
         values.stride(0),
-        step.float().contiguous(),
-        low.float().contiguous(),
+        step,
+        low,
+        step.stride(0),
         factor,
         factor.stride(0),
         levels,
