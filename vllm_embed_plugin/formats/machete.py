@@ -98,7 +98,7 @@ class MacheteLayout(TableFormat):
         return self.base.bits_per_weight(cols)  # 16-bit scales either way
 
     def describe(self, cols: int) -> str:
-        return self.base.describe(cols) + ", in Machete's layout (tied head on vLLM's Machete GEMM)"
+        return self.base.describe(cols) + ", in Machete's layout (logits on vLLM's Machete GEMM)"
 
     @staticmethod
     def padded_rows(rows: int) -> int:
