@@ -310,20 +310,24 @@ def refit_scales(
     groups = scale.shape[1]
     padded = groups * group
     metric = torch.nn.functional.pad(metric, (0, padded - cols, 0, padded - cols))
-    blocks = metric.view(padded, groups, group)
     valid = _pad_cols(torch.ones(1, cols, device=rows.device), padded).view(1, groups, group)
     width = 1 if mins is None else 2
     new_scale, new_mins = scale.clone(), None if mins is None else mins.clone()
     eye = torch.eye(groups * width, device=rows.device)
-    step = max(1, chunk_elements // (padded * groups * width))
+    step = max(1, chunk_elements // (padded * width))
     for a in range(0, n, step):
         b = min(a + step, n)
         w = _pad_cols(rows[a:b], padded)
         q = _pad_cols(levels[a:b], padded).view(b - a, groups, group)
         basis = q[..., None] if mins is None else torch.stack([q, valid.expand_as(q)], -1)
-        # H Q, then Q^T H Q and Q^T H w: [rows, groups * width] systems.
-        hq = torch.einsum("ikj,bkjc->bikc", blocks, basis)
-        lhs = torch.einsum("bkic,bkild->bkcld", basis, hq.view(b - a, groups, group, groups, width))
+        # Q^T H Q, one group's columns of Q at a time: H Q_l is a plain product, [rows, padded]
+        # per basis vector, where H Q for all groups at once would take `groups` times the memory.
+        lhs = torch.empty(b - a, groups, width, groups, width, device=rows.device)
+        for g in range(groups):
+            cols_g = slice(g * group, (g + 1) * group)
+            hq = basis[:, g].transpose(1, 2).reshape(-1, group) @ metric[:, cols_g].T
+            hq = hq.view(b - a, width, groups, group)
+            lhs[:, :, :, g, :] = torch.einsum("bkic,bdki->bkcd", basis, hq)
         lhs = lhs.reshape(b - a, groups * width, groups * width)
         hw = w @ metric
         rhs = torch.einsum("bkic,bki->bkc", basis, hw.view(b - a, groups, group))
