@@ -335,7 +335,9 @@ def refit_scales(
         old = old.reshape(b - a, groups * width)
         # A tiny ridge toward the old values: a group whose codes are all zero keeps its scale.
         ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
-        fitted = torch.linalg.solve(
+        # solve_ex: no device sync to check for singular systems; a row whose solve failed
+        # keeps its old scales below (not finite, or not cheaper).
+        fitted, _ = torch.linalg.solve_ex(
             lhs + ridge[..., None] * eye, rhs.reshape(b - a, -1) + ridge * old
         )
         fitted = fitted.to(scale_dtype).float()
