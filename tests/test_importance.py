@@ -190,6 +190,27 @@ def test_refitting_the_scales_to_the_joint_codes_lowers_the_cost(name, monkeypat
 
 
 @pytest.mark.parametrize("name", ["int8", "int5", "int4"])
+def test_the_joint_rounding_does_not_depend_on_the_default_dtype(name):
+    """vLLM loads a model with torch's default dtype set to the model's (BF16): every tensor
+    the conversion makes for itself must still be float32 (a BF16 scratch tensor once stopped
+    the refit's solve inside vLLM), and the result must be the same bits."""
+    cols = 96
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.randn(200, cols, generator=gen) * 0.02
+    joint = ColumnImportance.from_second_moment(random_moment(cols, seed=2), joint=True)
+    fmt = make_format(name, weighted=True)
+    expected = fmt.quantize(rows, joint)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = fmt.quantize(rows, joint)
+    finally:
+        torch.set_default_dtype(default)
+    for key, tensor in expected.tensors().items():
+        assert torch.equal(tensor, got.tensors()[key]), key
+
+
+@pytest.mark.parametrize("name", ["int8", "int5", "int4"])
 def test_the_joint_rounding_visits_the_most_important_columns_first(name, monkeypatch):
     """GPTQ's act-order: the column whose error costs most is rounded first, so it is rounded
     to its nearest level (no error has been carried into it yet), and the joint cost falls

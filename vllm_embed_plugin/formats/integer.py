@@ -99,7 +99,7 @@ class IntFormat(TableFormat):
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
         if importance is None:
-            col_weight = torch.ones(1, cols, device=rows.device)
+            col_weight = torch.ones(1, cols, device=rows.device, dtype=torch.float32)
         else:
             col_weight = importance.weights.to(device=rows.device, dtype=torch.float32).reshape(
                 1, -1
@@ -310,10 +310,12 @@ def refit_scales(
     groups = scale.shape[1]
     padded = groups * group
     metric = torch.nn.functional.pad(metric, (0, padded - cols, 0, padded - cols))
-    valid = _pad_cols(torch.ones(1, cols, device=rows.device), padded).view(1, groups, group)
+    valid = _pad_cols(torch.ones(1, cols, device=rows.device, dtype=torch.float32), padded).view(
+        1, groups, group
+    )
     width = 1 if mins is None else 2
     new_scale, new_mins = scale.clone(), None if mins is None else mins.clone()
-    eye = torch.eye(groups * width, device=rows.device)
+    eye = torch.eye(groups * width, device=rows.device, dtype=torch.float32)
     step = max(1, chunk_elements // (padded * width))
     for a in range(0, n, step):
         b = min(a + step, n)
@@ -322,7 +324,9 @@ def refit_scales(
         basis = q[..., None] if mins is None else torch.stack([q, valid.expand_as(q)], -1)
         # Q^T H Q, one group's columns of Q at a time: H Q_l is a plain product, [rows, padded]
         # per basis vector, where H Q for all groups at once would take `groups` times the memory.
-        lhs = torch.empty(b - a, groups, width, groups, width, device=rows.device)
+        lhs = torch.empty(
+            b - a, groups, width, groups, width, device=rows.device, dtype=torch.float32
+        )
         for g in range(groups):
             cols_g = slice(g * group, (g + 1) * group)
             hq = basis[:, g].transpose(1, 2).reshape(-1, group) @ metric[:, cols_g].T
