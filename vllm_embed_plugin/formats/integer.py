@@ -139,9 +139,10 @@ class IntFormat(TableFormat):
         """GPTQ on the rows as the weight of a linear layer whose input has second moment M:
         the group scales are fitted first, on the values as loaded (GPTQ's "static groups"),
         then the columns are rounded most important first (`importance.order`), each column's
-        error (scaled by the inverse factor of M) moved into the columns not yet rounded. Then the scales are refitted to
-        the codes (`refit_scales`), `REFIT_ROUNDS` times, the rows rounded again against the
-        refitted scales between two refits. Levels come back [n, cols]."""
+        error (scaled by the inverse factor of M) moved into the columns not yet rounded. Then
+        the scales are refitted to the codes (`refit_scales`), `REFIT_ROUNDS` times, the rows
+        rounded again against the refitted scales between two refits. Levels come back
+        [n, cols]."""
         n, cols = rows.shape
         g = self.group_cols(cols)
         groups = self.num_groups(cols)
