@@ -9,7 +9,7 @@ import torch
 
 from vllm_embed_plugin import importance
 from vllm_embed_plugin.formats import WEIGHTED_SEARCH, ColumnImportance, IntFormat, make_format
-from vllm_embed_plugin.formats.base import shrink
+from vllm_embed_plugin.formats.base import inverse_upper_factor, shrink
 from vllm_embed_plugin.formats.integer import unpack_bits
 from vllm_embed_plugin.tools import calibrate
 from vllm_embed_plugin.tools.cli import main
@@ -233,13 +233,8 @@ def test_the_joint_rounding_visits_the_most_important_columns_first(name, monkey
     nearest = torch.round((rows[:, first] - low) / step)
     assert torch.equal(levels[:, first], nearest.clamp(levels.min(), levels.max()))
 
-    damped = joint.metric.double()
     stored = dataclasses.replace(
-        joint,
-        inverse_factor=torch.linalg.cholesky(
-            torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True
-        ).float(),
-        order=None,
+        joint, inverse_factor=inverse_upper_factor(joint.metric.double()), order=None
     )
 
     def cost(importance):

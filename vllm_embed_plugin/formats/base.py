@@ -115,9 +115,7 @@ class ColumnImportance:
             moment.shape[0], dtype=moment.dtype, device=moment.device
         )
         order = torch.argsort(damped.diagonal(), descending=True, stable=True)
-        visited = damped[order][:, order]
-        inverse = torch.cholesky_inverse(torch.linalg.cholesky(visited))
-        factor = torch.linalg.cholesky(inverse, upper=True).float()
+        factor = inverse_upper_factor(damped[order][:, order])
         return cls(weights, factor, metric=damped.float(), order=order)
 
     def to(self, device) -> ColumnImportance:
@@ -131,6 +129,13 @@ class ColumnImportance:
             moved(self.metric),
             moved(self.order),
         )
+
+
+def inverse_upper_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """Float32 upper Cholesky factor U of matrix^-1 (U^T U = matrix^-1), GPTQ's form of the
+    inverse of a positive definite [cols, cols] matrix."""
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(matrix))
+    return torch.linalg.cholesky(inverse, upper=True).float()
 
 
 def shrink(moment: torch.Tensor, amount: float) -> torch.Tensor:
