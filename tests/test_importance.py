@@ -189,6 +189,25 @@ def test_refitting_the_scales_to_the_joint_codes_lowers_the_cost(name, monkeypat
     assert again.sum() < gptq.sum()
 
 
+@pytest.mark.parametrize("name, cols", [("int5", 2560), ("int4", 5120)])
+def test_the_refit_holds_on_wide_tables_on_several_threads(name, cols, monkeypatch):
+    """A row of a wide table has 160 scales (and minimums) to solve for: the width at which
+    torch 2.13's batched LU on the CPU returns garbage when it runs on two threads. The refit
+    must still lower the cost there, not fall back silently to GPTQ's scales."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(64, cols, generator=gen) * 0.02
+    joint = ColumnImportance.from_second_moment(random_moment(cols, seed=8), joint=True)
+    fmt = make_format(name, weighted=True)
+
+    def cost(refits):
+        monkeypatch.setattr(ColumnImportance, "REFIT_ROUNDS", refits)
+        d = fmt.dequantize(fmt.quantize(rows, joint), cols, torch.float32) - rows
+        return ((d @ joint.metric) * d).sum().item()
+
+    assert cost(1) < 0.995 * cost(0)
+
+
 @pytest.mark.parametrize("name", ["int8", "int5", "int4"])
 def test_the_joint_rounding_does_not_depend_on_the_default_dtype(name):
     """vLLM loads a model with torch's default dtype set to the model's (BF16): every tensor

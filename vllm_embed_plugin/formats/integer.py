@@ -340,12 +340,13 @@ def refit_scales(
         old = old.reshape(b - a, groups * width)
         # A tiny ridge toward the old values: a group whose codes are all zero keeps its scale.
         ridge = 1e-6 * lhs.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
-        # solve_ex: no device sync to check for singular systems; a row whose solve failed
-        # keeps its old scales below (not finite, or not cheaper).
-        fitted, _ = torch.linalg.solve_ex(
-            lhs + ridge[..., None] * eye, rhs.reshape(b - a, -1) + ridge * old
-        )
-        fitted = fitted.to(scale_dtype).float()
+        # Cholesky, not LU: the system is symmetric positive definite, which halves the work,
+        # and torch 2.13's CPU LU (solve_ex) returns garbage for batches of 152+ unknowns on
+        # more than one thread. The _ex form does not sync to check; a row whose factorisation
+        # failed keeps its old scales below.
+        factor, failed = torch.linalg.cholesky_ex(lhs + ridge[..., None] * eye)
+        fitted = torch.cholesky_solve((rhs.reshape(b - a, -1) + ridge * old)[..., None], factor)
+        fitted = fitted[..., 0].to(scale_dtype).float()
 
         def cost(values):
             err = w - torch.einsum(
@@ -353,7 +354,7 @@ def refit_scales(
             ).reshape(b - a, padded)
             return ((err @ metric) * err).sum(-1)
 
-        better = (cost(fitted) < cost(old)) & fitted.isfinite().all(-1)
+        better = (cost(fitted) < cost(old)) & fitted.isfinite().all(-1) & (failed == 0)
         chosen = torch.where(better[:, None], fitted, old).view(b - a, groups, width)
         new_scale[a:b] = chosen[..., 0]
         if new_mins is not None:
