@@ -5,11 +5,13 @@ A tied table's row error e costs twice: in the logits, about e M e^T with M = E[
 the lookup, e S e^T with S the Fisher information of the model's output with respect to its
 input embedding, averaged over positions (`calibrate.measure_model` measures both on the
 calibration corpus). Each variant `a:b` rounds every row jointly against a * (M shrunk as the
-plugin shrinks it) + b * S: `1:0` is M alone (the plugin before S), `1:1` what the plugin does
-for a tied table now, `0:1` an input-only table against S alone (its input KLD is the figure
-that matters there); `plain` is no file. Prints tied KLD and, in brackets, input-only KLD.
+plugin shrinks it) + b * S, and `a:b:s` with S shrunk toward mean(diag S) * I by the share s:
+`1:0` is M alone (the plugin before S), `1:1` M + S as the plugin rounded a tied table until
+S was shrunk too, `1:1:0.1` what it does now (M and S shrunk alike), `0:1` an input-only table
+against S alone (its input KLD is the figure that matters there); `plain` is no file. Prints
+tied KLD and, in brackets, input-only KLD.
 
-    python bench/input_fisher.py smollm2 --formats int8,int4 --mix plain,1:0,1:1,0:1
+    python bench/input_fisher.py smollm2 --formats int8,int4 --mix plain,1:0,1:1,1:1:0.1,0:1
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main() -> int:
     p.add_argument(
         "--mix",
         default="1:0,1:1",
-        help="variants a:b, rounding against a * shrunk M + b * S; 'plain' for no file",
+        help="variants a:b or a:b:s, rounding against a * shrunk M + b * S (S shrunk by the "
+        "share s); 'plain' for no file",
     )
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -60,8 +63,9 @@ def main() -> int:
             if mix == "plain":
                 line = per_domain(run, run.evaluate(row(fmt, None, f"{fmt} plain")))
             else:
-                a, b = (float(x) for x in mix.split(":"))
-                moment = a * shrink(measured, ColumnImportance.SHRINK) + b * fisher
+                a, b, *s_share = (float(x) for x in mix.split(":"))
+                s_fisher = shrink(fisher, s_share[0]) if s_share else fisher
+                moment = a * shrink(measured, ColumnImportance.SHRINK) + b * s_fisher
                 line = tied_against(run, fmt, moment, f"{fmt} {mix}")
             print(f"{fmt} {mix:<6} {line}", flush=True)
     return 0

@@ -76,7 +76,8 @@ def test_a_tied_table_adds_the_lookups_fisher_information_and_a_head_does_not(tm
     read = importance.read(path)
     assert torch.equal(read.second_moment, moment) and torch.equal(read.input_fisher, fisher)
     shrunk = shrink(moment.double(), ColumnImportance.SHRINK)
-    for role, cost in (("tied", shrunk + fisher.double()), ("head", shrunk)):
+    with_fisher = shrink(moment.double() + fisher.double(), ColumnImportance.SHRINK)
+    for role, cost in (("tied", with_fisher), ("head", shrunk)):
         got = importance.load(path, 64, role)
         assert torch.allclose(got.weights.double(), cost.diagonal(), rtol=1e-5), role
         damped = cost + ColumnImportance.DAMPING * cost.diagonal().mean() * torch.eye(64)

@@ -80,9 +80,10 @@ class ColumnImportance:
 
     #: Added to M's diagonal before inverting, as a share of its mean (GPTQ's `percdamp`).
     DAMPING = 0.01
-    #: A tied table's M is first mixed with mean(diag M) * I by this share: M measured on one
-    #: corpus describes other text only in part, and the shrunk M generalises better (lower
-    #: tied KLD on held-out code, prose and chat than M as measured; docs/FIDELITY.md).
+    #: A tied table's M (+ S) is first mixed with mean(diag) * I by this share: measured on one
+    #: corpus, it describes other text only in part, and shrunk it generalises better (lower
+    #: tied KLD on held-out code, prose and chat than M as measured; docs/FIDELITY.md). S is
+    #: shrunk with M, for the same reason (docs/CALIBRATION.md).
     SHRINK = 0.1
     #: Refits of the group scales to the codes after the joint rounding (`formats.integer`),
     #: the rows rounded again between two refits: GPTQ fits the scales before it rounds, to
@@ -107,9 +108,9 @@ class ColumnImportance:
         if not joint:
             # Without joint rounding the table is untied (lookup only): see the class doc.
             return cls(moment.diagonal().clamp_min(1e-12).float(), lookup_only=True)
-        moment = shrink(moment, cls.SHRINK)
         if input_fisher is not None:
             moment = moment + input_fisher.double()
+        moment = shrink(moment, cls.SHRINK)
         weights = moment.diagonal().clamp_min(1e-12).float()
         damped = moment + cls.DAMPING * moment.diagonal().mean() * torch.eye(
             moment.shape[0], dtype=moment.dtype, device=moment.device
