@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import md_table, median_time, precompile, random_packed  # noqa: E402
+from timing import graph_time_us, md_table, median_time, precompile, random_packed  # noqa: E402
 
 from vllm_embed_plugin.formats import FORMATS  # noqa: E402
 from vllm_embed_plugin.kernels import triton_linear  # noqa: E402
@@ -136,7 +136,9 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(wdot(128, 128, 64, 8, 3), SWAP=False),
             dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True),
         ]
-        if bits in (4, 8):  # x on the left; 256 rows: each weight decoded once
+        # x on the left; 256 rows: each weight decoded once. Triton 3.6 fails to compile some
+        # of these for int5/int6 (precompile skips what fails), so they also try W on the left.
+        if bits in (4, 5, 6, 8):
             out += [
                 dict(wdot(128, 256, 64, 8, 3), SWAP=False),
                 dict(wdot(128, 128, 32, 8, 4), SWAP=False),
@@ -147,8 +149,8 @@ def candidates(m: int, bits: int) -> list[dict | None]:
                 dict(wdot(256, 64, 64, 4, 3), SWAP=False),
                 dict(wdot(256, 128, 64, 8, 3), SWAP=False),
             ]
-        else:  # W on the left (Triton 3.6 cannot compile it on the right)
-            out += [wdot(256, 64, 64, 8, 1), wdot(256, 64, 128, 8, 1), wdot(256, 32, 128, 4, 1)]
+        if bits in (5, 6):
+            out += [wdot(256, 64, 64, 8, 1), wdot(256, 64, 128, 8, 1)]
     else:
         out += [
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),
@@ -160,6 +162,21 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             seen.add(cfg_str(c))
             uniq.append(c)
     return uniq
+
+
+#: Variants whose compile failed in `precompile`: not run here, as Triton may abort on them.
+FAILED: set = set()
+
+
+def variant_key(name: str, rows: int, cols: int, m: int, cfg: dict | None) -> tuple:
+    """What one compiled variant is told apart by: M matters only through the tile of rows."""
+    fmt = FORMATS[name]
+    spec = spec_of(fmt, cols)
+    eff = cfg or triton_linear.linear_config(m, rows, cols, spec.bits, spec.fp8)
+    if eff["KIND"] in ("cublas", "tiles"):
+        return (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
+    tile = min(m, eff["BM"]) if eff["KIND"] in ("gemv", "rows") else eff["BM"]
+    return (name, cols, cfg_str(eff), tile)
 
 
 def cfg_str(cfg: dict | None) -> str:
@@ -293,6 +310,9 @@ def bench_table(
             if sweep:
                 times = {}
                 for cfg in candidates(m, spec.bits):
+                    if variant_key(name, rows, cols, m, cfg) in FAILED:
+                        log(f"  {name} M={m} {cfg_str(cfg)} failed to compile")
+                        continue
                     fn = lambda cfg=cfg, m=m: triton_linear.linear(
                         fmt, packed, xs[m], cols, config=cfg
                     )
@@ -439,28 +459,18 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     names = [] if args.formats == "none" else args.formats.split(",")
     if not args.no_precompile:
-        jobs, seen = [], set()
+        jobs, keys = [], []
         for rows, cols in tables:
             for name in names:
                 bits = spec_of(FORMATS[name], cols).bits
                 for m in ms:
                     for cfg in candidates(m, bits) if args.sweep else [None]:
-                        eff = cfg or triton_linear.linear_config(
-                            m, rows, cols, bits, spec_of(FORMATS[name], cols).fp8
-                        )
-                        if eff["KIND"] in ("cublas", "tiles"):
-                            key = (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
-                        else:  # the compiled variant: M only matters through the tile of rows
-                            key = (
-                                name,
-                                cols,
-                                cfg_str(eff),
-                                min(m, eff["BM"]) if eff["KIND"] in ("gemv", "rows") else eff["BM"],
-                            )
-                        if key not in seen:
-                            seen.add(key)
+                        key = variant_key(name, rows, cols, m, cfg)
+                        if key not in keys:
+                            keys.append(key)
                             jobs.append(("linear", FORMATS[name], cols, m, rows, cfg))
-        precompile(jobs, workers=14)
+        ok = precompile(jobs, workers=14)
+        FAILED.update(key for key, good in zip(keys, ok) if not good)
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     parts = []
     for rows, cols in tables:

@@ -5,10 +5,12 @@ helpers, so there is no import circle between them."""
 from __future__ import annotations
 
 import os
+import pickle
 import statistics
+import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -122,11 +124,23 @@ def md_table(header: list[str], rows: list[list]) -> str:
 # -- parallel pre-compilation of the Triton variants (same shapes -> same specialisations) ----
 
 
-def _compile_job(job):
+def _compile_job(job) -> bool:
+    """Compile one variant in a process of its own: a Triton crash (an LLVM ERROR aborts the
+    process, it raises nothing) then fails this variant only."""
+    code = (
+        "import pickle, sys; from timing import _compile; _compile(pickle.load(sys.stdin.buffer))"
+    )
     try:
-        return _compile(job)
-    except Exception:  # reported when the variant is timed
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=pickle.dumps(job),
+            capture_output=True,
+            timeout=900,
+            cwd=os.path.dirname(__file__),
+        )
+    except subprocess.TimeoutExpired:
         return False
+    return done.returncode == 0
 
 
 def _compile(job):
@@ -146,12 +160,15 @@ def _compile(job):
     return True
 
 
-def precompile(jobs, workers=12):
+def precompile(jobs, workers=12) -> list[bool]:
+    """Compile `jobs` in parallel (one process each); whether each compiled. A variant that
+    failed must not be run in this process: Triton may abort it."""
     t0 = time.perf_counter()
-    ctx = torch.multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            list(pool.map(_compile_job, jobs))
-    except Exception as exc:  # compile lazily instead
-        print(f"precompile failed ({exc!r}); compiling in-process", flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        ok = list(pool.map(_compile_job, jobs))
+    print(
+        f"precompiled {len(jobs)} variants in {time.perf_counter() - t0:.1f} s, "
+        f"{ok.count(False)} failed",
+        flush=True,
+    )
+    return ok
