@@ -9,7 +9,10 @@ words per row. Value J of every block ("piece" J) is cut out with compile-time s
 multiplied with the matching columns of x (t * P + J), so nothing is interleaved back into
 column order. Integer levels become floats without the int->float unit (16 per clock and
 multiprocessor on Hopper, the bottleneck of a plain conversion): OR the level into the
-mantissa of 2^23 and subtract 2^23 (plus the sign offset) in one float add.
+mantissa of 2^23 and subtract 2^23 (plus the sign offset) in one float add. The CUDA-core
+GEMV is bound by such integer operations per weight, not by loads (docs/BENCHMARKS.md); for
+4-bit codes it puts the code into the mantissa of 2^4 with one shift and one bitwise op and
+takes the constant offset off once per block (`_biased_level`).
 """
 
 from __future__ import annotations
@@ -74,6 +77,30 @@ def _level(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
+def _biased_level(w0, w1, w2, w3, w4, w5, w6, J: tl.constexpr, BITS: tl.constexpr,
+                  SIGNED: tl.constexpr):
+    """Piece J of every block as the float32 2^BITS + level (+ 2^(BITS-1) if SIGNED), for
+    codes that never straddle two words: the code's bits moved into the mantissa of 2^BITS by
+    one shift, masked and joined with the exponent (and the sign flip) by one bitwise op; no
+    float subtraction per weight. The caller takes the offset off once per block (times the
+    block's sum of x); a float of BITS + 1 significant bits times x's 8 to 11 is exact in
+    float32, so only the block sums round."""
+    LO: tl.constexpr = J * BITS
+    S: tl.constexpr = LO % 32
+    tl.static_assert(S + BITS <= 32, "_biased_level: a code straddles two words")
+    E: tl.constexpr = 23 - BITS  # where the code goes: the low bits of 2^BITS's mantissa
+    MASK: tl.constexpr = ((1 << BITS) - 1) << E
+    FLIP: tl.constexpr = (1 << (BITS - 1)) << E if SIGNED else 0
+    HEAD: tl.constexpr = ((127 + BITS) << 23) | FLIP
+    u = _pick(w0, w1, w2, w3, w4, w5, w6, LO // 32)
+    if S > E:
+        u = u >> (S - E)
+    elif S < E:
+        u = u << (E - S)
+    return ((u & MASK) ^ HEAD).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_word(p, mask, EVEN: tl.constexpr):
     if EVEN:  # no mask: a masked load is split into 4-byte loads
         w = tl.load(p)
@@ -135,6 +162,11 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
     mmask = rm < M
     xdt = x_ptr.dtype.element_ty
     BLOCK_SCALE: tl.constexpr = GROUP == 0 or GROUP % P == 0
+    # CUDA cores, 4-bit codes: levels offset by a constant (`_biased_level`), taken off once
+    # per block. Measured on an H100 (docs/BENCHMARKS.md): int4 at M = 1 8-9% faster; int5,
+    # int6 and int8 0.5-1% slower, so they keep `_level`.
+    BIASED: tl.constexpr = MAGIC and not MMA and BLOCK_SCALE and BITS == 4
+    OFFSET: tl.constexpr = (1 << BITS) + ((1 << (BITS - 1)) if SIGNED else 0)  # _biased_level's
     if GROUP == 0:
         srow = tl.load(scales_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
         mrow = srow
@@ -189,7 +221,10 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
             xs2 = xs0
             xs3 = xs0
         for J in tl.static_range(P):
-            lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, MAGIC)
+            if BIASED:
+                lev = _biased_level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED)
+            else:
+                lev = _level(w0, w1, w2, w3, w4, w5, w6, J, BITS, SIGNED, FP8, MAGIC)
             col = t * P + J
             if XPERM:
                 xcol = J * nblk + t
@@ -232,6 +267,13 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                     xs2 += x2
                     xs3 += x3
         if not MMA:
+            if BIASED:
+                p0 -= OFFSET * xs0[None, :]
+                if BM > 1:
+                    p1 -= OFFSET * xs1[None, :]
+                if BM > 2:
+                    p2 -= OFFSET * xs2[None, :]
+                    p3 -= OFFSET * xs3[None, :]
             if BLOCK_SCALE:
                 acc0 += p0 * sblk
                 if HAS_MIN:

@@ -9,7 +9,9 @@ docs/BENCHMARKS.md):
   fp8 1/4); value J of each block is cut out with compile-time shifts and turned into a float
   by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
-  block's scale (and minimum times the block's sum of x) is applied once per block.
+  block's scale (and minimum times the block's sum of x) is applied once per block. 4-bit
+  codes skip the subtraction: OR-ed into the mantissa of 2^4, their constant offset times the
+  block's sum of x is taken off once per block (`gemm_words._biased_level`).
 - "wdot", M = 2..256 for some formats: the same word tiles on tensor cores, decoded once per
   weight for up to BM rows of x (x's missing rows masked to zeros, no copy; BM up to 256, so
   a batch of 256 decodes each weight once). The P pieces of a tile are put back into column
