@@ -164,7 +164,7 @@ def _words_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
     BLOCK_SCALE: tl.constexpr = GROUP == 0 or GROUP % P == 0
     # CUDA cores, 4-bit codes: levels offset by a constant (`_biased_level`), taken off once
     # per block. Measured on an H100 (docs/BENCHMARKS.md): int4 at M = 1 8-9% faster; int5,
-    # int6 and int8 0.5-1% slower, so they keep `_level`.
+    # int6 and int8 0.4-1.3% slower, so they keep `_level`.
     BIASED: tl.constexpr = MAGIC and not MMA and BLOCK_SCALE and BITS == 4
     OFFSET: tl.constexpr = (1 << BITS) + ((1 << (BITS - 1)) if SIGNED else 0)  # _biased_level's
     if GROUP == 0:
