@@ -459,18 +459,16 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     names = [] if args.formats == "none" else args.formats.split(",")
     if not args.no_precompile:
-        jobs, keys = [], []
+        jobs: dict = {}  # variant key -> its compile job, one per variant
         for rows, cols in tables:
             for name in names:
                 bits = spec_of(FORMATS[name], cols).bits
                 for m in ms:
                     for cfg in candidates(m, bits) if args.sweep else [None]:
                         key = variant_key(name, rows, cols, m, cfg)
-                        if key not in keys:
-                            keys.append(key)
-                            jobs.append(("linear", FORMATS[name], cols, m, rows, cfg))
-        ok = precompile(jobs, workers=14)
-        FAILED.update(key for key, good in zip(keys, ok) if not good)
+                        jobs.setdefault(key, ("linear", FORMATS[name], cols, m, rows, cfg))
+        ok = precompile(list(jobs.values()), workers=14)
+        FAILED.update(key for key, good in zip(jobs, ok) if not good)
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     parts = []
     for rows, cols in tables:
