@@ -927,9 +927,18 @@ def draft_alias(target: Path) -> Path:
     return draft
 
 
+def selfdraft_env(fmt: str, draft: Path, target_too: bool) -> dict:
+    """The plugin's variables for a self-draft engine: FMT for the drafter alone (the
+    allowlist names its alias), or with `target_too` for target and drafter alike, as a user
+    who sets one format for every model runs them."""
+    if fmt == "off":
+        return {}
+    return {"VLLM_EMBED_FORMAT": fmt} | ({} if target_too else {"VLLM_EMBED_MODELS": draft.name})
+
+
 def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
-    """Draft model = target (`draft_model`), only the drafter converted: its acceptance against
-    the BF16 target, for the drafter in BF16, int8 and int4. A tied checkpoint with
+    """Draft model = target (`draft_model`), only the drafter converted (or, with
+    `--selfdraft-target-too`, both): its acceptance against the target, for BF16, int8 and int4. A tied checkpoint with
     transformers' random init (range 0.02), so the drafter's lookup and its logits both read
     the converted table, and greedy tokens are not ties of flat logits."""
     spec = (
@@ -952,7 +961,7 @@ def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -
     results = out.setdefault("selfdraft", {"shape": [spec["vocab"], spec["hidden"]], "configs": {}})
     results = results["configs"]
     configs = {
-        fmt: {} if fmt == "off" else {"VLLM_EMBED_FORMAT": fmt, "VLLM_EMBED_MODELS": draft.name}
+        fmt: selfdraft_env(fmt, draft, args.selfdraft_target_too)
         for fmt in suite_formats(args, ("off", "int8", "int4"))
     }
     engines = start_suite_engines("selfdraft", base, configs, log_dir, results)
@@ -1315,6 +1324,11 @@ def main() -> int:
         type=int,
         default=16,
         help="selfdraft: prompts of 64 greedy tokens each that acceptance is counted over",
+    )
+    parser.add_argument(
+        "--selfdraft-target-too",
+        action="store_true",
+        help="selfdraft: convert the target as well as the drafter (default: the drafter alone)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     parser.add_argument("--models", default="/tmp/gpu_e2e_models")

@@ -1,6 +1,7 @@
 """Self-draft acceptance on a real model, on whatever device vLLM runs (the CPU backend too): the
 model as its own draft model (`draft_model`, 3 speculative tokens), the target in BF16 and only
-the drafter converted, greedy continuations of held-out text. A random model's flat logits
+the drafter converted (or, with --target-too, both, as one format set for every model does),
+greedy continuations of held-out text. A random model's flat logits
 make greedy choices near ties (bench/gpu_e2e.py --suite selfdraft); a trained model's do not.
 
     python bench/selfdraft_acceptance.py smollm2 --formats off,int8,int4,int8+file,int4+file
@@ -84,6 +85,11 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--memory", type=float, default=0.25, help="gpu_memory_utilization")
+    ap.add_argument(
+        "--target-too",
+        action="store_true",
+        help="convert the target as well as the drafter (default: the drafter alone)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -91,7 +97,7 @@ def main() -> int:
         return 0
     if not args.model:
         ap.error("the model is required")
-    from gpu_e2e import draft_alias
+    from gpu_e2e import draft_alias, selfdraft_env
 
     from vllm_embed_plugin.tools import real_models
 
@@ -109,8 +115,7 @@ def main() -> int:
     for fmt in args.formats.split(","):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EMBED_")}
         name, _, extra = fmt.partition("+")
-        if name != "off":
-            env.update(VLLM_EMBED_FORMAT=name, VLLM_EMBED_MODELS=draft.name)
+        env.update(selfdraft_env(name, draft, args.target_too))
         if extra == "file":
             env["VLLM_EMBED_IMPORTANCE"] = args.importance or str(packaged_importance(args.model))
         proc = subprocess.run(

@@ -131,3 +131,18 @@ def test_engine_logs_have_names_every_file_transfer_keeps():
     the GPU machine, which hid why that engine failed."""
     path = gpu_e2e.log_file(Path("logs"), "untied-int8+head=int8")
     assert path == Path("logs") / "untied-int8_head_int8.log"
+
+
+@pytest.mark.parametrize("target_too", [False, True])
+def test_selfdraft_env_converts_the_drafter_alone_or_both(tmp_path, monkeypatch, target_too):
+    from vllm_embed_plugin.settings import load_settings
+
+    target = tmp_path / "smol"
+    target.mkdir()
+    draft = gpu_e2e.draft_alias(target)
+    assert gpu_e2e.selfdraft_env("off", draft, target_too) == {}
+    for key, value in gpu_e2e.selfdraft_env("int4", draft, target_too).items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings()
+    assert settings.decide(str(draft)).format == "int4"
+    assert settings.decide(str(target)).format == ("int4" if target_too else "off")
