@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 import time
 import traceback
@@ -35,6 +36,7 @@ TABLES = [(262144, 2560), (151936, 4096)]
 MS = [1, 2, 4, 8, 16, 64, 128, 256, 4096]
 SHIPPED = ["int8", "int6", "int5", "int4", "fp8"]
 WIDE = False  # --wide: a larger grid of word-tile candidates
+VARIANTS = ""  # --variants: a regular expression the swept variants' names must match
 TARGETS = {"int8": 0.60, "int6": 0.50, "int5": 0.50, "int4": 0.40, "fp8": 0.60}
 
 
@@ -149,6 +151,11 @@ def candidates(m: int, bits: int) -> list[dict | None]:
                 dict(wdot(256, 64, 64, 4, 3), SWAP=False),
                 dict(wdot(256, 128, 64, 8, 3), SWAP=False),
             ]
+        # W on the left with every row of x in one tile: the decoded weights stay in registers
+        # as the first operand of Hopper's wgmma, which can then overlap the next tile's decode.
+        if bits in (4, 8):
+            out += [wdot(256, 128, 64, 8, st) for st in (2, 3, 4)]
+            out += [wdot(256, 64, 64, 4, 3), wdot(128, 128, 64, 8, 3)]
         if bits in (5, 6):
             out += [wdot(256, 64, 64, 8, 1), wdot(256, 64, 128, 8, 1)]
     else:
@@ -158,6 +165,8 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         ]
     uniq, seen = [], set()
     for c in out:
+        if c is not None and VARIANTS and not re.search(VARIANTS, cfg_str(c)):
+            continue
         if cfg_str(c) not in seen:
             seen.add(cfg_str(c))
             uniq.append(c)
@@ -444,12 +453,15 @@ def main():
     )
     ap.add_argument("--no-anchor", action="store_true", help="skip vLLM's Marlin and Machete")
     ap.add_argument("--wide", action="store_true", help="a larger grid of word-tile candidates")
+    ap.add_argument(
+        "--variants", default="", help="--sweep: only variants whose name matches this regex"
+    )
     args = ap.parse_args()
     if args.dispatch:
         print(dispatch_markdown())
         return 0
-    global WIDE
-    WIDE = args.wide
+    global WIDE, VARIANTS
+    WIDE, VARIANTS = args.wide, args.variants
     t0 = time.time()
 
     def log(msg):
