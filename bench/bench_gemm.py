@@ -318,6 +318,7 @@ def bench_table(
             mark = ""
             if sweep:
                 times = {}
+                want = triton_linear.linear(fmt, packed, xs[m], cols).float()
                 for cfg in candidates(m, spec.bits):
                     if variant_key(name, rows, cols, m, cfg) in FAILED:
                         log(f"  {name} M={m} {cfg_str(cfg)} failed to compile")
@@ -326,11 +327,16 @@ def bench_table(
                         fmt, packed, xs[m], cols, config=cfg
                     )
                     try:
+                        off = (fn().float() - want).norm() / want.norm()
+                        if off > 1e-2:  # a variant that computes something else is no candidate
+                            log(f"  {name} M={m} {cfg_str(cfg)} wrong: {off:.1e} off the shipped")
+                            continue
                         times[cfg_str(cfg if cfg is not None else shipped)] = graph_time_us(
                             fn, 20 if m <= 256 else 3
                         )
                     except Exception as exc:
                         log(f"  {name} M={m} {cfg_str(cfg)} failed: {exc!r}"[:300])
+                del want
                 log(
                     f"  {name} M={m} "
                     + " ".join(
