@@ -1,0 +1,87 @@
+"""What a word-tile kernel ('wdot') compiles to on Hopper, without a GPU: Triton compiles it
+for sm_90 on the CPU and nvdisasm (shipped with Triton) lists the SASS. Prints the instruction
+mix of the main loop, register spills, the wgmma shape, and whether each wgmma is waited for
+before the next tile is decoded (`wait 0`) or overlaps it (`wait 1`).
+
+    python bench/kernel_sass.py --bits 8 --bm 256 --bn 64 --cpt 64 --warps 8 --stages 3 --noswap
+    python bench/kernel_sass.py --bits 8 --bm 256 --bn 128 --cpt 64 --warps 8 --stages 3
+
+Integer arguments and pointers are specialised as a real launch on the benchmark tables
+specialises them (divisible by 16): without that, Triton cannot vectorise x's loads. A proxy
+for speed, not a timing: docs/BENCHMARKS.md's figures come from the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ARGS = ("x_ptr", "words_ptr", "scales_ptr", "mins_ptr", "out_ptr", "M", "N", "nblk",
+        "blk_per_split", "stride_xm", "word_stride", "scale_stride", "stride_om", "stride_split")  # fmt: skip
+TYPES = ("*bf16", "*i32", "*fp16", "*fp16", "*bf16") + ("i32",) * 9
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def compile_wdot(a):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_embed_plugin.kernels import gemm_words
+    from vllm_embed_plugin.kernels.gemm_words import block_shape
+
+    u, p = block_shape(a.bits)
+    consts = dict(BM=a.bm, BN=a.bn, T=max(1, a.cpt // p), BITS=a.bits, U=u, P=p, GROUP=a.group,
+                  SIGNED=True, FP8=False, HAS_MIN=False, SPLIT=False, EVEN=True, SB=False,
+                  SWAP=not a.noswap, GPOST=False)  # fmt: skip
+    signature = dict(zip(ARGS, TYPES)) | {k: "constexpr" for k in consts}
+    # scale_stride is 1 for per-row scales: the only argument left unspecialised.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(ARGS) if n != "scale_stride"}
+    src = ASTSource(gemm_words._wdot_kernel, signature, consts, attrs)
+    options = dict(num_warps=a.warps, num_stages=a.stages)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bits", type=int, default=8, help="4, 5, 6 or 8")
+    ap.add_argument("--group", type=int, default=0, help="group size (0: one scale per row)")
+    ap.add_argument("--bm", type=int, default=256, help="rows of x per tile")
+    ap.add_argument("--bn", type=int, default=64, help="rows of the table per tile")
+    ap.add_argument("--cpt", type=int, default=64, help="columns per tile (T * P)")
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--noswap", action="store_true", help="x on the left (SWAP=False)")
+    a = ap.parse_args()
+    lines = compile_wdot(a).splitlines()
+    branches = [i for i, line in enumerate(lines) if re.search(r"\bBRA\b", line)]
+    # The main loop: from the first conditional branch to the backward branch after it.
+    loop = lines[branches[0] : branches[1] + 1] if len(branches) > 1 else lines
+    mix = collections.Counter(m.group(1) for line in loop if (m := OPCODE.search(line)))
+    total = sum(1 for line in lines if OPCODE.search(line))
+    spills = sum(1 for line in lines if re.search(r"\b(LDL|STL)\b", line))
+    mma = sorted({m.group(0) for line in lines if (m := re.search(r"HGMMA\.\S+|HMMA\.\S+", line))})
+    waits = collections.Counter(re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", "\n".join(lines)))
+    print(
+        f"{total} instructions, {sum(mix.values())} in the main loop, {spills} spill loads/stores"
+    )
+    print(f"tensor-core instructions: {', '.join(mma) or 'none'}; wgmma waits: {dict(waits)}")
+    print("main loop: " + ", ".join(f"{op} {n}" for op, n in mix.most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
