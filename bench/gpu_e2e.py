@@ -938,9 +938,10 @@ def selfdraft_env(fmt: str, draft: Path, target_too: bool) -> dict:
 
 def measure_selfdraft(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
     """Draft model = target (`draft_model`), only the drafter converted (or, with
-    `--selfdraft-target-too`, both): its acceptance against the target, for BF16, int8 and int4. A tied checkpoint with
-    transformers' random init (range 0.02), so the drafter's lookup and its logits both read
-    the converted table, and greedy tokens are not ties of flat logits."""
+    `--selfdraft-target-too`, both): its acceptance against the target, for BF16, int8 and
+    int4. A tied checkpoint with transformers' random init (range 0.02), so the drafter's
+    lookup and its logits both read the converted table, and greedy tokens are not ties of
+    flat logits."""
     spec = (
         dict(vocab=65536, hidden=1024, layers=4, tied=True, heads=8, kv_heads=4)
         if args.quick

@@ -1,8 +1,8 @@
 """Self-draft acceptance on a real model, on whatever device vLLM runs (the CPU backend too): the
 model as its own draft model (`draft_model`, 3 speculative tokens), the target in BF16 and only
 the drafter converted (or, with --target-too, both, as one format set for every model does),
-greedy continuations of held-out text. A random model's flat logits
-make greedy choices near ties (bench/gpu_e2e.py --suite selfdraft); a trained model's do not.
+greedy continuations of held-out text. A random model's flat logits make greedy choices near
+ties (bench/gpu_e2e.py --suite selfdraft); a trained model's do not.
 
     python bench/selfdraft_acceptance.py smollm2 --formats off,int8,int4,int8+file,int4+file
 
