@@ -24,9 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARGS = ("x_ptr", "words_ptr", "scales_ptr", "mins_ptr", "out_ptr", "M", "N", "nblk",
-        "blk_per_split", "stride_xm", "word_stride", "scale_stride", "stride_om", "stride_split")  # fmt: skip
-TYPES = ("*bf16", "*i32", "*fp16", "*fp16", "*bf16") + ("i32",) * 9
+#: The pointers' element types as on the benchmark tables (x and logits BF16, FP16 scales);
+#: every other runtime argument is an int32 size or stride.
+POINTERS = dict(
+    x_ptr="*bf16", words_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*bf16"
+)
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -42,10 +44,12 @@ def compile_wdot(a):
     consts = dict(BM=a.bm, BN=a.bn, T=max(1, a.cpt // p), BITS=a.bits, U=u, P=p, GROUP=a.group,
                   SIGNED=True, FP8=False, HAS_MIN=False, SPLIT=False, EVEN=True, SB=False,
                   SWAP=not a.noswap, GPOST=False)  # fmt: skip
-    signature = dict(zip(ARGS, TYPES)) | {k: "constexpr" for k in consts}
+    kernel_fn = gemm_words._wdot_kernel
+    runtime = [p.name for p in kernel_fn.params if not p.is_constexpr]  # in the kernel's order
+    signature = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in consts}
     # scale_stride is 1 for per-row scales: the only argument left unspecialised.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(ARGS) if n != "scale_stride"}
-    src = ASTSource(gemm_words._wdot_kernel, signature, consts, attrs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(runtime) if n != "scale_stride"}
+    src = ASTSource(kernel_fn, signature, consts, attrs)
     options = dict(num_warps=a.warps, num_stages=a.stages)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
