@@ -163,6 +163,13 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),
             dict(KIND="cublas", CHUNK_BYTES=192 << 20),
         ]
+    if bits == 4 and m <= 256:  # raw levels decoded two per instruction, scaled per group after
+        shapes = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 128, 256, 4, 3)]
+        if m > 16:
+            shapes = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3)]
+        if m > 64:
+            shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (256, 128, 64, 8, 3)]
+        out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]
     uniq, seen = [], set()
     for c in out:
         if c is not None and VARIANTS and not re.search(VARIANTS, cfg_str(c)):
@@ -201,6 +208,8 @@ def cfg_str(cfg: dict | None) -> str:
         bm = "noswap " + bm
     if cfg.get("GPOST"):
         bm = "gpost " + bm
+    if cfg.get("PACK"):
+        bm = "pack " + bm
     return f"{cfg['KIND']} {bm}BN{cfg['BN']} T{cfg['T']} w{cfg['num_warps']}{st}{' xp' if cfg.get('XPERM') else ''}"
 
 

@@ -43,7 +43,7 @@ def compile_wdot(a):
     u, p = block_shape(a.bits)
     consts = dict(BM=a.bm, BN=a.bn, T=max(1, a.cpt // p), BITS=a.bits, U=u, P=p, GROUP=a.group,
                   SIGNED=True, FP8=False, HAS_MIN=False, SPLIT=False, EVEN=True, SB=False,
-                  SWAP=not a.noswap, GPOST=False)  # fmt: skip
+                  SWAP=not a.noswap, GPOST=a.gpost, PACK=a.pack)  # fmt: skip
     kernel_fn = gemm_words._wdot_kernel
     runtime = [p.name for p in kernel_fn.params if not p.is_constexpr]  # in the kernel's order
     signature = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in consts}
@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--noswap", action="store_true", help="x on the left (SWAP=False)")
+    ap.add_argument("--gpost", action="store_true", help="one dot per group, scaled after")
+    ap.add_argument("--pack", action="store_true", help="4-bit levels two per instruction")
     a = ap.parse_args()
     lines = compile_wdot(a).splitlines()
     branches = [i for i, line in enumerate(lines) if re.search(r"\bBRA\b", line)]

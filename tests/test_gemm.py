@@ -131,6 +131,66 @@ def test_gemm_kernels_in_interpreter():
     run_in_interpreter(INTERPRETER_CHECK, timeout=1200)
 
 
+def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
+    """The instructions `_nibble_asm` emits, executed on one word: its 8 outputs."""
+    dt = torch.bfloat16 if ".bf16x2" in ptx else torch.float16
+
+    def half(bits: int) -> float:
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).float().item()
+
+    def bits_of(v: float) -> int:
+        return torch.tensor([v]).to(dt).view(torch.int16).item() & 0xFFFF
+
+    regs, outs = {"$8": word}, {}
+    body = ptx.strip().removeprefix("{").removesuffix("}")
+    for line in filter(None, (x.strip() for x in body.split(";"))):
+        op, rest = line.split(" ", 1)
+        if op == ".reg":
+            continue
+        if rest.startswith("{"):  # mov.b32 {lo, hi}, src
+            lo, hi = (x.strip() for x in rest[1 : rest.index("}")].split(","))
+            src = regs[rest.split("}")[1].strip(" ,")]
+            outs[lo], outs[hi] = src & 0xFFFF, src >> 16
+            continue
+        d, *args = (x.strip() for x in rest.split(","))
+        v = [regs[a] if a in regs else int(a, 0) for a in args]
+        if op == "mov.b32":
+            regs[d] = v[0]
+        elif op == "shr.u32":
+            regs[d] = v[0] >> v[1]
+        elif op == "lop3.b32":
+            assert v[3] == 0x6A  # (a & b) ^ c
+            regs[d] = (v[0] & v[1]) ^ v[2]
+        else:
+            assert op in ("fma.rn.bf16x2", "fma.rn.f16x2"), op
+            regs[d] = sum(
+                bits_of(
+                    half(v[0] >> k & 0xFFFF) * half(v[1] >> k & 0xFFFF) + half(v[2] >> k & 0xFFFF)
+                )
+                << k
+                for k in (0, 16)
+            )
+    return [half(outs[f"${j}"]) for j in range(8)]
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_packed_nibble_decode_gives_every_level(dt, signed):
+    """The PTX that decodes 4-bit codes two per instruction (run on a GPU only), executed
+    instruction by instruction here: every code in every position gives its level."""
+    from vllm_embed_plugin.kernels.gemm_words import _nibble_asm
+
+    ptx = _nibble_asm(dt, signed)
+    g = torch.Generator().manual_seed(0)
+    words = [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF] + torch.randint(
+        0, 2**32, (60,), generator=g, dtype=torch.int64
+    ).tolist()
+    for word in words:
+        codes = [(word >> (4 * j)) & 15 for j in range(8)]
+        levels = [c - 16 if signed and c >= 8 else c for c in codes]
+        assert _run_nibble_ptx(ptx, word) == levels, hex(word)
+
+
 @cuda
 @pytest.mark.parametrize("fmt", VARIANTS, ids=lambda f: f.name)
 @pytest.mark.parametrize("cols", [2560, 576, 100])
@@ -155,6 +215,44 @@ def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
         out = triton_linear.linear(fmt, table, x, cols, config=cfg)
         assert rel_err(out, ref) < 1e-2, cfg
         assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), cfg
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        FORMATS["int4"],
+        IntFormat("int4-affine-g64", 4, 64, symmetric=False),
+        IntFormat("int4-row", 4, None),
+    ],
+    ids=lambda f: f.name,
+)
+def test_gpu_packed_nibbles_are_right_and_deterministic(fmt, dtype, monkeypatch):
+    """'wdot' with PACK (4-bit levels decoded two per instruction by inline PTX): right against
+    the float32 reference at every M, in both 16-bit dtypes, the same bits every call."""
+    from vllm_embed_plugin.kernels import triton_linear
+
+    def no_fallback(*args):
+        raise AssertionError("PACK fell back to the generic kernels")
+
+    monkeypatch.setattr(triton_linear, "linear_tiles", no_fallback)
+    rows, cols = 3000, 2560
+    g = torch.Generator().manual_seed(2)
+    table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
+    wd = fmt.dequantize(table, cols, torch.float32)
+    raw = dict(GPOST=True) if fmt.group_size else {}
+    configs = [
+        dict(KIND="wdot", BM=bm, BN=bn, T=16, num_warps=4, num_stages=3, PACK=True, **raw)
+        for bm, bn in ((16, 64), (64, 128), (128, 64))
+    ]
+    for m in (1, 5, 16, 40, 64, 200):
+        x = torch.randn(m, cols, device="cuda").to(dtype)
+        ref = x.float() @ wd.T
+        for cfg in configs:
+            out = triton_linear.linear(fmt, table, x, cols, config=cfg)
+            assert out.dtype == dtype and rel_err(out, ref) < 2e-3, (m, cfg)
+            assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), (m, cfg)
 
 
 @cuda

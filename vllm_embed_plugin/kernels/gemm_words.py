@@ -385,6 +385,57 @@ def _wtile(w0, w1, w2, w3, w4, w5, w6, BITS: tl.constexpr, SIGNED: tl.constexpr,
     return tl.reshape(v, [v.shape[0], v.shape[1] * P])
 
 
+def _nibble_asm(dt: str, signed: bool) -> str:
+    """PTX for `_nibble_levels`: the word's 8 codes as 4 pairs of 16-bit floats, nibble J in
+    the low half and J + 4 in the high half (one shift and one LOP3 per pair: mask, sign flip
+    and exponent of 2^7 (bf16) or 2^10 (fp16) at once, so the pair is 2^E + code), then one
+    packed fma subtracts 2^E (+ 8 for two's complement codes, whose flipped sign bit makes
+    them code + 8): exact small integers, two per instruction. sm_80 and newer."""
+    base = {"bf16": 0x4300, "fp16": 0x6400}[dt]  # 2^7 / 2^10: the code's bits are the units
+    one = {"bf16": 0x3F80, "fp16": 0x3C00}[dt]
+    flip = 8 if signed else 0
+    # -(2^E + flip) in dt: the mantissa's units are 1, so the flip adds to its low bits.
+    offset = (base | flip) | 0x8000
+
+    def two(h: int) -> str:
+        return f"0x{h:04X}{h:04X}"
+
+    lines = [f"mov.b32 one, {two(one)};", f"mov.b32 off, {two(offset)};"]
+    for j in range(4):
+        src = "$8"
+        if j:
+            lines.append(f"shr.u32 t, $8, {4 * j};")
+            src = "t"
+        lines.append(f"lop3.b32 p{j}, {src}, 0x000F000F, {two(base | flip)}, 0x6A;")  # (a & b) ^ c
+        lines.append(f"fma.rn.{dict(bf16='bf16', fp16='f16')[dt]}x2 p{j}, p{j}, one, off;")
+        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, p{j};")
+    return "{\n.reg .b32 t, one, off, p0, p1, p2, p3;\n" + "\n".join(lines) + "\n}"
+
+
+_NIBBLES_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True))
+_NIBBLES_BF16 = tl.constexpr(_nibble_asm("bf16", False))
+_NIBBLES_FP16_SIGNED = tl.constexpr(_nibble_asm("fp16", True))
+_NIBBLES_FP16 = tl.constexpr(_nibble_asm("fp16", False))
+
+
+@triton.jit
+def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr):
+    """The 8 levels of every word of 4-bit codes [BN, T] as a [BN, T * 8] tile of DT (bf16 or
+    fp16) in column order, exact, two levels per packed instruction (`_nibble_asm`)."""
+    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
+    if DT == tl.bfloat16:
+        asm: tl.constexpr = _NIBBLES_BF16_SIGNED if SIGNED else _NIBBLES_BF16
+        p = tl.inline_asm_elementwise(asm, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        asm: tl.constexpr = _NIBBLES_FP16_SIGNED if SIGNED else _NIBBLES_FP16
+        p = tl.inline_asm_elementwise(asm, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
+    # Joined so that element (i, c, d) of [BN, T, 2, 2, 2] is nibble 4i + 2c + d.
+    b0 = tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6]))
+    b1 = tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7]))
+    v = tl.join(b0, b1)
+    return tl.reshape(v, [w.shape[0], w.shape[1] * 8])
+
+
 @triton.jit
 def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                  M, N, nblk, blk_per_split, stride_xm, word_stride, scale_stride, stride_om,
@@ -393,13 +444,15 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                  U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
                  FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN: tl.constexpr, SB: tl.constexpr, SWAP: tl.constexpr,
-                 GPOST: tl.constexpr = False):
+                 GPOST: tl.constexpr = False, PACK: tl.constexpr = False):
     """logits[rm, rn] for BN rows of W against up to BM rows of x (masked rows are zeros):
     per tile of T blocks, the words are decoded once into a [BN, T * P] tile in column order
     (scaled and rounded to x's dtype as the reference does, or raw levels with one scale per
     row applied after the dot) and multiplied on tensor cores with x's [BM, T * P] columns.
     GPOST (SWAP, whole groups of >= 16 columns per tile): one dot per group on the raw levels,
-    its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32."""
+    its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32.
+    PACK (4-bit codes, levels dotted raw: GPOST or one scale per row): the levels decoded two
+    per instruction (`_nibble_levels`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -438,8 +491,12 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                     xgmask = mmask[:, None] & (kg < k_end * P)[None, :]
                 wpg = words_ptr + rn_safe[:, None] * word_stride + (tg * U)[None, :]
                 g0, g1, g2, g3, g4, g5, g6 = _load_words(wpg, U, gmask, EVEN)
-                lev = _wtile(g0, g1, g2, g3, g4, g5, g6, BITS, SIGNED, FP8, False, HAS_MIN, True,
-                             srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP, xdt)
+                if PACK:
+                    lev = _nibble_levels(g0, SIGNED, xdt)
+                else:
+                    lev = _wtile(g0, g1, g2, g3, g4, g5, g6, BITS, SIGNED, FP8, False, HAS_MIN,
+                                 True, srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP,
+                                 xdt)
                 xg = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0)
                 smask = (rn_safe[:, None] * 0 + (kt + g * TG)) < k_end  # [BN, 1]
                 sp = scales_ptr + soff0 + (kt * P) // GROUP + g
@@ -475,8 +532,11 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                     sblk = tl.load(scales_ptr + soff, mask=wmask, other=0).to(tl.float32)
                     if HAS_MIN:
                         mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
-            w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE, sblk,
-                       mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
+            if PACK and not PRE:
+                w = _nibble_levels(w0, SIGNED, xdt)
+            else:
+                w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE,
+                           sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
             if SWAP:
                 acc = tl.dot(w, tl.trans(xt), acc)
@@ -661,6 +721,11 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
         # than a tile) keep the generic kernels the heuristic chose for them before GPOST.
         if cfg.get("GPOST") and not (swap and g >= 16 and whole_groups):
             return None
+        # PACK decodes raw 4-bit levels into x's 16-bit dtype: the dot must take them raw.
+        raw = cfg.get("GPOST") or (g == 0 and not spec.has_min)
+        if cfg.get("PACK") and not (spec.bits == 4 and not spec.fp8 and raw and x2.dtype in
+                                    (torch.bfloat16, torch.float16)):
+            return None
         split = min(split, nblk // t)
         while (nblk // t) % split:
             split -= 1
@@ -685,7 +750,8 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
             _rows_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, XPERM=xperm, **common)
         else:
             _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap,
-                                                 GPOST=bool(cfg.get("GPOST")), **common)
+                                                 GPOST=bool(cfg.get("GPOST")),
+                                                 PACK=bool(cfg.get("PACK")), **common)
         if split > 1:
             out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
         return out
