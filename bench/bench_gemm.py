@@ -164,11 +164,12 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(KIND="cublas", CHUNK_BYTES=192 << 20),
         ]
     if bits == 4 and m <= 256:  # raw levels decoded two per instruction, scaled per group after
-        shapes = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 128, 256, 4, 3)]
+        # BN = 128 on 8 warps, like BN = 64 on 4, keeps the tile in registers as wgmma's A.
+        shapes = [(16, 64, 128, 4, 3), (16, 128, 128, 8, 3), (16, 64, 256, 4, 3)]
         if m > 16:
-            shapes = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3)]
+            shapes = [(64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 64, 128, 4, 3)]
         if m > 64:
-            shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (256, 128, 64, 8, 3)]
+            shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 4, 3)]
         out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]
     uniq, seen = [], set()
     for c in out:

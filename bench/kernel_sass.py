@@ -43,7 +43,7 @@ def compile_wdot(a):
     u, p = block_shape(a.bits)
     consts = dict(BM=a.bm, BN=a.bn, T=max(1, a.cpt // p), BITS=a.bits, U=u, P=p, GROUP=a.group,
                   SIGNED=True, FP8=False, HAS_MIN=False, SPLIT=False, EVEN=True, SB=False,
-                  SWAP=not a.noswap, GPOST=a.gpost, PACK=a.pack)  # fmt: skip
+                  SWAP=not a.noswap, GPOST=a.gpost, PACK=a.pack, PTX=True)  # fmt: skip
     kernel_fn = gemm_words._wdot_kernel
     runtime = [p.name for p in kernel_fn.params if not p.is_constexpr]  # in the kernel's order
     signature = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in consts}

@@ -131,6 +131,42 @@ def test_gemm_kernels_in_interpreter():
     run_in_interpreter(INTERPRETER_CHECK, timeout=1200)
 
 
+PACKED_CHECK = textwrap.dedent(
+    """
+    import torch
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import FORMATS, IntFormat
+    from vllm_embed_plugin.kernels import gemm_tiles, triton_linear
+
+    def no_fallback(*args):
+        raise AssertionError("PACK fell back to the generic kernels")
+
+    triton_linear.linear_tiles = no_fallback
+    torch.manual_seed(0)
+    w = torch.randn(40, 256) * 0.02
+    formats = [FORMATS["int4"], IntFormat("a", 4, 64, symmetric=False), IntFormat("r", 4, None)]
+    for fmt in formats:
+        t = quantize_table(w, fmt)
+        wd = fmt.dequantize(t, 256, torch.float32)
+        raw = dict(GPOST=True) if fmt.group_size else {}
+        for m, bm, tt in ((1, 16, 8), (5, 16, 16), (20, 32, 8)):
+            cfg = dict(KIND="wdot", BM=bm, BN=16, T=tt, num_warps=1, num_stages=1, PACK=True, **raw)
+            x = torch.randn(m, 256).half()
+            out = triton_linear.linear(fmt, t, x, 256, config=cfg)
+            ref = x.float() @ wd.T
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-3, (fmt.name, m, cfg, err)
+    print("ok")
+    """
+)
+
+
+def test_packed_nibble_tiles_in_interpreter():
+    """PACK's tile and x in paired order, with the plain decode in place of the PTX: right
+    against float32 for symmetric, affine and per-row 4-bit formats."""
+    run_in_interpreter(PACKED_CHECK, timeout=600)
+
+
 def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
     """The instructions `_nibble_asm` emits, executed on one word: its 8 outputs."""
     dt = torch.bfloat16 if ".bf16x2" in ptx else torch.float16

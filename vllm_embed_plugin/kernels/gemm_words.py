@@ -419,21 +419,47 @@ _NIBBLES_FP16 = tl.constexpr(_nibble_asm("fp16", False))
 
 
 @triton.jit
-def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr):
+def _nibble(w, J: tl.constexpr, SIGNED: tl.constexpr, DT: tl.constexpr):
+    """Nibble J of every word as a level in DT, with plain integer operations."""
+    q = ((w >> (4 * J)) & 15).to(tl.int32)
+    if SIGNED:
+        q = (q ^ 8) - 8
+    return q.to(DT)
+
+
+@triton.jit
+def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
     """The 8 levels of every word of 4-bit codes [BN, T] as a [BN, T * 8] tile of DT (bf16 or
-    fp16) in column order, exact, two levels per packed instruction (`_nibble_asm`)."""
+    fp16), exact. PTX: two levels per packed instruction (`_nibble_asm`); else plain
+    operations (Triton's CPU interpreter runs no PTX). The tile's columns are in paired
+    order, which keeps each pair in the register the dot reads it from: column 8t + 2m + b
+    holds nibble m + 4b of word t (the caller orders x's columns alike, `_paired`)."""
     C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
-    if DT == tl.bfloat16:
+    if not PTX:
+        p0, p1 = _nibble(w, 0, SIGNED, DT), _nibble(w, 1, SIGNED, DT)
+        p2, p3 = _nibble(w, 2, SIGNED, DT), _nibble(w, 3, SIGNED, DT)
+        p4, p5 = _nibble(w, 4, SIGNED, DT), _nibble(w, 5, SIGNED, DT)
+        p6, p7 = _nibble(w, 6, SIGNED, DT), _nibble(w, 7, SIGNED, DT)
+    elif DT == tl.bfloat16:
         asm: tl.constexpr = _NIBBLES_BF16_SIGNED if SIGNED else _NIBBLES_BF16
-        p = tl.inline_asm_elementwise(asm, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            asm, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
         asm: tl.constexpr = _NIBBLES_FP16_SIGNED if SIGNED else _NIBBLES_FP16
-        p = tl.inline_asm_elementwise(asm, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
-    # Joined so that element (i, c, d) of [BN, T, 2, 2, 2] is nibble 4i + 2c + d.
-    b0 = tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6]))
-    b1 = tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7]))
-    v = tl.join(b0, b1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            asm, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
+    # Element (b, c, d) of [BN, T, 2, 2, 2] is nibble 2c + d + 4b; moving b last puts nibble
+    # m + 4b at column 2m + b.
+    v = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)),
+                tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    v = tl.permute(v, (0, 1, 3, 4, 2))
     return tl.reshape(v, [w.shape[0], w.shape[1] * 8])
+
+
+@triton.jit
+def _paired(x, BM: tl.constexpr, K: tl.constexpr):
+    """x's columns [BM, K] in `_nibble_levels`' paired order: 8t + 2m + b <- 8t + m + 4b."""
+    return tl.reshape(tl.permute(tl.reshape(x, [BM, K // 8, 2, 4]), (0, 1, 3, 2)), [BM, K])
 
 
 @triton.jit
@@ -444,7 +470,8 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                  U: tl.constexpr, P: tl.constexpr, GROUP: tl.constexpr, SIGNED: tl.constexpr,
                  FP8: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN: tl.constexpr, SB: tl.constexpr, SWAP: tl.constexpr,
-                 GPOST: tl.constexpr = False, PACK: tl.constexpr = False):
+                 GPOST: tl.constexpr = False, PACK: tl.constexpr = False,
+                 PTX: tl.constexpr = True):
     """logits[rm, rn] for BN rows of W against up to BM rows of x (masked rows are zeros):
     per tile of T blocks, the words are decoded once into a [BN, T * P] tile in column order
     (scaled and rounded to x's dtype as the reference does, or raw levels with one scale per
@@ -452,7 +479,8 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
     GPOST (SWAP, whole groups of >= 16 columns per tile): one dot per group on the raw levels,
     its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32.
     PACK (4-bit codes, levels dotted raw: GPOST or one scale per row): the levels decoded two
-    per instruction (`_nibble_levels`)."""
+    per instruction (`_nibble_levels`; PTX off: plain operations, for the interpreter), the
+    tile's columns and x's in the same paired order."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -492,12 +520,14 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                 wpg = words_ptr + rn_safe[:, None] * word_stride + (tg * U)[None, :]
                 g0, g1, g2, g3, g4, g5, g6 = _load_words(wpg, U, gmask, EVEN)
                 if PACK:
-                    lev = _nibble_levels(g0, SIGNED, xdt)
+                    lev = _nibble_levels(g0, SIGNED, xdt, PTX)
                 else:
                     lev = _wtile(g0, g1, g2, g3, g4, g5, g6, BITS, SIGNED, FP8, False, HAS_MIN,
                                  True, srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP,
                                  xdt)
                 xg = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0)
+                if PACK:
+                    xg = _paired(xg, BM, GROUP)
                 smask = (rn_safe[:, None] * 0 + (kt + g * TG)) < k_end  # [BN, 1]
                 sp = scales_ptr + soff0 + (kt * P) // GROUP + g
                 acc += tl.dot(lev, tl.trans(xg)) * tl.load(sp, mask=smask, other=0).to(tl.float32)
@@ -533,11 +563,13 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                     if HAS_MIN:
                         mblk = tl.load(mins_ptr + soff, mask=wmask, other=0).to(tl.float32)
             if PACK and not PRE:
-                w = _nibble_levels(w0, SIGNED, xdt)
+                w = _nibble_levels(w0, SIGNED, xdt, PTX)
             else:
                 w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE,
                            sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
+            if PACK and not PRE:
+                xt = _paired(xt, BM, K)
             if SWAP:
                 acc = tl.dot(w, tl.trans(xt), acc)
             else:
@@ -751,7 +783,8 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
         else:
             _wdot_kernel[(grid_n, split, grid_m)](*args, BM=bm, BN=bn, T=t, SWAP=swap,
                                                  GPOST=bool(cfg.get("GPOST")),
-                                                 PACK=bool(cfg.get("PACK")), **common)
+                                                 PACK=bool(cfg.get("PACK")), PTX=x2.is_cuda,
+                                                 **common)
         if split > 1:
             out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
         return out
