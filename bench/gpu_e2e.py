@@ -610,11 +610,21 @@ def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> Non
         engine = Engine(f"draft-{fmt}", base, env, log_dir)
         try:
             greedy = engine.ask({"op": "greedy"}, "greedy")
+            log = engine.log_text().splitlines()
             results["formats"][fmt] = {
                 "init_s": engine.ready["init_s"],
                 "kv_tokens": engine.ready["kv_tokens"],
+                "kv_bytes": engine.ready.get("kv_bytes"),
                 "target_bytes": table_gpu_bytes(engine.ready, "target"),
                 "draft_bytes": table_gpu_bytes(engine.ready, "draft"),
+                "conversion_log": [
+                    x.split("vllm-embed-plugin: ", 1)[1]
+                    for x in log
+                    if "table ->" in x and "vllm-embed-plugin: " in x
+                ],
+                "unknown_env_warnings": [
+                    x for x in log if "Unknown vLLM environment variable" in x
+                ],
                 "draft_tables": (engine.ready["workers"][0]["draft"] or {}).get("tables"),
                 "greedy": greedy,
                 "spec": greedy["spec"],
@@ -1211,17 +1221,48 @@ def summarize(out: dict) -> str:
             lines += suite_table(name, out[name])
     if out.get("failures"):
         lines += ["## Failures", ""] + [f"- {f}" for f in out["failures"]] + [""]
-    for name in ("draft_model",):
-        if name in out:
-            lines += [
-                f"## {name}",
-                "",
-                "```",
-                json.dumps(_strip(out[name]), indent=1)[:6000],
-                "```",
-                "",
-            ]
+    if "draft_model" in out:
+        lines += spec_table(out["draft_model"])
     return "\n".join(lines)
+
+
+def spec_table(spec: dict) -> list[str]:
+    """`--suite spec` (a separate draft model) as a Markdown table: both models' vocabulary
+    tables, the KV cache gained over the bytes both free, and vLLM's spec-decode counters."""
+    formats = spec["formats"]
+    off = formats.get("off") or {}
+    lines = [
+        "## draft_model (a separate draft model)",
+        "",
+        "| format | start-up s | target tables B | draft tables B | KV tokens | KV B gained / "
+        "table B freed | accepted / drafted | unknown-variable warnings |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for fmt, r in formats.items():
+        gain = None
+        if off and r.get("kv_bytes") is not None and off.get("kv_bytes") is not None:
+            freed = off["target_bytes"] + off["draft_bytes"] - r["target_bytes"] - r["draft_bytes"]
+            gain = (r["kv_bytes"] - off["kv_bytes"]) / freed if freed else None
+        counters = r.get("spec") or {}
+        accepted = counters.get("spec_decode_num_accepted_tokens")
+        drafted = counters.get("spec_decode_num_draft_tokens")
+        cells = [
+            fmt,
+            f"{r['init_s']:.1f}",
+            f"{r['target_bytes']:,}",
+            f"{r['draft_bytes']:,}",
+            f"{r['kv_tokens']:,}",
+            "-" if gain is None else f"{gain:.1%}",
+            "-" if drafted is None else f"{accepted} / {drafted}",
+            "-" if r.get("unknown_env_warnings") is None else str(len(r["unknown_env_warnings"])),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for fmt, r in formats.items():
+        for line in r.get("conversion_log") or []:
+            lines.append(f"- {fmt}: {line}")
+    lines += ["", f"Top-5 problems against BF16: {len(spec.get('top5_problems') or [])}.", ""]
+    return lines
 
 
 def profile_lines(model: dict) -> list[str]:

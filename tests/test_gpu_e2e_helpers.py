@@ -113,6 +113,25 @@ def test_kv_gain_and_the_summary_table():
     assert "| int4 | failed: mtp-int4: engine exited (rc=1) |" in lines
 
 
+def test_the_spec_suite_is_a_table_with_the_kv_gain_over_both_models_bytes():
+    """A separate draft model: the KV gain is over the bytes both models' tables free."""
+    counters = {"spec_decode_num_draft_tokens": 360, "spec_decode_num_accepted_tokens": 0}
+    off = dict(init_s=38.5, kv_tokens=100, kv_bytes=10_000, target_bytes=4000, draft_bytes=2000)
+    int8 = dict(init_s=40.3, kv_tokens=130, kv_bytes=12_970, target_bytes=2000, draft_bytes=1000)
+    int8["conversion_log"] = ["draft embedding draft_model.model.embed_tokens: ... -> int8"]
+    int8["unknown_env_warnings"] = []
+    out = {
+        "env": {},
+        "draft_model": {
+            "formats": {"off": dict(off, spec=counters), "int8": dict(int8, spec=counters)}
+        },
+    }
+    lines = gpu_e2e.summarize(out).splitlines()
+    row = next(x for x in lines if x.startswith("| int8 |"))
+    assert row == "| int8 | 40.3 | 2,000 | 1,000 | 130 | 99.0% | 0 / 360 | 0 |"
+    assert "- int8: draft embedding draft_model.model.embed_tokens: ... -> int8" in lines
+
+
 def test_the_summary_survives_a_bf16_engine_that_never_started():
     """The main suite's BF16 engine failing (too little memory for its share) left no baseline;
     the summary then crashed on it and hid the failure itself."""
