@@ -136,7 +136,7 @@ PACKED_CHECK = textwrap.dedent(
     import torch
     from vllm_embed_plugin.convert import quantize_table
     from vllm_embed_plugin.formats import FORMATS, IntFormat
-    from vllm_embed_plugin.kernels import gemm_tiles, triton_linear
+    from vllm_embed_plugin.kernels import triton_linear
 
     def no_fallback(*args):
         raise AssertionError("PACK fell back to the generic kernels")

@@ -419,15 +419,6 @@ _NIBBLES_FP16 = tl.constexpr(_nibble_asm("fp16", False))
 
 
 @triton.jit
-def _nibble(w, J: tl.constexpr, SIGNED: tl.constexpr, DT: tl.constexpr):
-    """Nibble J of every word as a level in DT, with plain integer operations."""
-    q = ((w >> (4 * J)) & 15).to(tl.int32)
-    if SIGNED:
-        q = (q ^ 8) - 8
-    return q.to(DT)
-
-
-@triton.jit
 def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
     """The 8 levels of every word of 4-bit codes [BN, T] as a [BN, T * 8] tile of DT (bf16 or
     fp16), exact. PTX: two levels per packed instruction (`_nibble_asm`); else plain
@@ -435,11 +426,15 @@ def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr)
     order, which keeps each pair in the register the dot reads it from: column 8t + 2m + b
     holds nibble m + 4b of word t (the caller orders x's columns alike, `_paired`)."""
     C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
-    if not PTX:
-        p0, p1 = _nibble(w, 0, SIGNED, DT), _nibble(w, 1, SIGNED, DT)
-        p2, p3 = _nibble(w, 2, SIGNED, DT), _nibble(w, 3, SIGNED, DT)
-        p4, p5 = _nibble(w, 4, SIGNED, DT), _nibble(w, 5, SIGNED, DT)
-        p6, p7 = _nibble(w, 6, SIGNED, DT), _nibble(w, 7, SIGNED, DT)
+    if not PTX:  # `_level` on a one-word block, without the float tricks
+        p0 = _level(w, w, w, w, w, w, w, 0, 4, SIGNED, False, False).to(DT)
+        p1 = _level(w, w, w, w, w, w, w, 1, 4, SIGNED, False, False).to(DT)
+        p2 = _level(w, w, w, w, w, w, w, 2, 4, SIGNED, False, False).to(DT)
+        p3 = _level(w, w, w, w, w, w, w, 3, 4, SIGNED, False, False).to(DT)
+        p4 = _level(w, w, w, w, w, w, w, 4, 4, SIGNED, False, False).to(DT)
+        p5 = _level(w, w, w, w, w, w, w, 5, 4, SIGNED, False, False).to(DT)
+        p6 = _level(w, w, w, w, w, w, w, 6, 4, SIGNED, False, False).to(DT)
+        p7 = _level(w, w, w, w, w, w, w, 7, 4, SIGNED, False, False).to(DT)
     elif DT == tl.bfloat16:
         asm: tl.constexpr = _NIBBLES_BF16_SIGNED if SIGNED else _NIBBLES_BF16
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
@@ -753,10 +748,9 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
         # than a tile) keep the generic kernels the heuristic chose for them before GPOST.
         if cfg.get("GPOST") and not (swap and g >= 16 and whole_groups):
             return None
-        # PACK decodes raw 4-bit levels into x's 16-bit dtype: the dot must take them raw.
+        # PACK decodes raw 4-bit levels (x's 16-bit dtype): the dot must take them unscaled.
         raw = cfg.get("GPOST") or (g == 0 and not spec.has_min)
-        if cfg.get("PACK") and not (spec.bits == 4 and not spec.fp8 and raw and x2.dtype in
-                                    (torch.bfloat16, torch.float16)):
+        if cfg.get("PACK") and not (spec.bits == 4 and raw):
             return None
         split = min(split, nblk // t)
         while (nblk // t) % split:
