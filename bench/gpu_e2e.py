@@ -461,11 +461,7 @@ def measure_model(
                 "kv_tokens": engine.ready["kv_tokens"],
                 "table_gpu_bytes": table_gpu_bytes(engine.ready),
                 "tables": engine.ready["workers"][0]["target"]["tables"],
-                "conversion_log": [
-                    x.split("vllm-embed-plugin: ", 1)[1]
-                    for x in log.splitlines()
-                    if "table ->" in x and "vllm-embed-plugin: " in x
-                ],
+                "conversion_log": conversion_lines(log.splitlines()),
                 "graph_breaks": log.count("Graph break"),
                 **compile_cache_use(log),
             }
@@ -588,6 +584,20 @@ def profile_split(results: dict, fmt: str, batch: int) -> dict | None:
     }
 
 
+def conversion_lines(log: list[str]) -> list[str]:
+    """The plugin's "... table -> FORMAT ..." lines of an engine log, without their prefix."""
+    return [
+        x.split("vllm-embed-plugin: ", 1)[1]
+        for x in log
+        if "table ->" in x and "vllm-embed-plugin: " in x
+    ]
+
+
+def unknown_env_warnings(log: list[str]) -> list[str]:
+    """vLLM's "Unknown vLLM environment variable" warnings in an engine log (issue 26)."""
+    return [x for x in log if "Unknown vLLM environment variable" in x]
+
+
 def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> None:
     """A separate draft model, both models converted; then an MTP drafter sharing the table."""
     from vllm_embed_plugin.tools.probe import greedy_close
@@ -617,14 +627,8 @@ def measure_spec(args, specs: dict, root: Path, out: dict, log_dir: Path) -> Non
                 "kv_bytes": engine.ready.get("kv_bytes"),
                 "target_bytes": table_gpu_bytes(engine.ready, "target"),
                 "draft_bytes": table_gpu_bytes(engine.ready, "draft"),
-                "conversion_log": [
-                    x.split("vllm-embed-plugin: ", 1)[1]
-                    for x in log
-                    if "table ->" in x and "vllm-embed-plugin: " in x
-                ],
-                "unknown_env_warnings": [
-                    x for x in log if "Unknown vLLM environment variable" in x
-                ],
+                "conversion_log": conversion_lines(log),
+                "unknown_env_warnings": unknown_env_warnings(log),
                 "draft_tables": (engine.ready["workers"][0]["draft"] or {}).get("tables"),
                 "greedy": greedy,
                 "spec": greedy["spec"],
@@ -783,15 +787,9 @@ def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, res
             )
             if workers.get("draft")
             else None,
-            "conversion_log": [
-                x.split("vllm-embed-plugin: ", 1)[1]
-                for x in log.splitlines()
-                if "table ->" in x and "vllm-embed-plugin: " in x
-            ],
+            "conversion_log": conversion_lines(log.splitlines()),
             "share_log": [x for x in log.splitlines() if "Sharing target model" in x],
-            "unknown_env_warnings": [
-                x for x in log.splitlines() if "Unknown vLLM environment variable" in x
-            ],
+            "unknown_env_warnings": unknown_env_warnings(log.splitlines()),
             "graph_breaks": log.count("Graph break"),
         }
         # Printed as it comes, so a run cut short still shows it.
