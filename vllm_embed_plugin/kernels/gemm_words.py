@@ -420,11 +420,12 @@ _NIBBLES_FP16 = tl.constexpr(_nibble_asm("fp16", False))
 
 @triton.jit
 def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
-    """The 8 levels of every word of 4-bit codes [BN, T] as a [BN, T * 8] tile of DT (bf16 or
-    fp16), exact. PTX: two levels per packed instruction (`_nibble_asm`); else plain
-    operations (Triton's CPU interpreter runs no PTX). The tile's columns are in paired
-    order, which keeps each pair in the register the dot reads it from: column 8t + 2m + b
-    holds nibble m + 4b of word t (the caller orders x's columns alike, `_paired`)."""
+    """The 8 levels of every word of 4-bit codes [BN, W] (W a multiple of 4) as a [BN, W * 8]
+    tile of DT (bf16 or fp16), exact. PTX: two levels per packed instruction (`_nibble_asm`);
+    else plain operations (Triton's CPU interpreter runs no PTX). The columns are in the
+    order of wgmma's A operand, so the decoded pairs go to the dot without a trip through
+    shared memory: within every 4 words, column 8m + 2q + b holds nibble m + 4b of word q
+    (four lanes hold the four words; `pack_order` orders x's columns alike)."""
     C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
     if not PTX:  # `_level` on a one-word block, without the float tricks
         p0 = _level(w, w, w, w, w, w, w, 0, 4, SIGNED, False, False).to(DT)
@@ -443,18 +444,12 @@ def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr)
         asm: tl.constexpr = _NIBBLES_FP16_SIGNED if SIGNED else _NIBBLES_FP16
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             asm, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
-    # Element (b, c, d) of [BN, T, 2, 2, 2] is nibble 2c + d + 4b; moving b last puts nibble
-    # m + 4b at column 2m + b.
+    # Element (b, i, j) of [BN, W, 2, 2, 2] is nibble m + 4b with m = 2i + j; split the words
+    # into [W / 4, 4] and order [words / 4, m, word, b].
     v = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)),
                 tl.join(tl.join(p1, p5), tl.join(p3, p7)))
-    v = tl.permute(v, (0, 1, 3, 4, 2))
+    v = tl.permute(tl.reshape(v, [w.shape[0], w.shape[1] // 4, 4, 2, 2, 2]), (0, 1, 4, 5, 2, 3))
     return tl.reshape(v, [w.shape[0], w.shape[1] * 8])
-
-
-@triton.jit
-def _paired(x, BM: tl.constexpr, K: tl.constexpr):
-    """x's columns [BM, K] in `_nibble_levels`' paired order: 8t + 2m + b <- 8t + m + 4b."""
-    return tl.reshape(tl.permute(tl.reshape(x, [BM, K // 8, 2, 4]), (0, 1, 3, 2)), [BM, K])
 
 
 @triton.jit
@@ -475,7 +470,7 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
     its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32.
     PACK (4-bit codes, levels dotted raw: GPOST or one scale per row): the levels decoded two
     per instruction (`_nibble_levels`; PTX off: plain operations, for the interpreter), the
-    tile's columns and x's in the same paired order."""
+    tile's columns and x's in wgmma's order (x permuted by `pack_order`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -521,8 +516,6 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                                  True, srow, mrow, soff0, tg, scales_ptr, mins_ptr, gmask, P, GROUP,
                                  xdt)
                 xg = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kg[None, :], mask=xgmask, other=0)
-                if PACK:
-                    xg = _paired(xg, BM, GROUP)
                 smask = (rn_safe[:, None] * 0 + (kt + g * TG)) < k_end  # [BN, 1]
                 sp = scales_ptr + soff0 + (kt * P) // GROUP + g
                 acc += tl.dot(lev, tl.trans(xg)) * tl.load(sp, mask=smask, other=0).to(tl.float32)
@@ -563,8 +556,6 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
                 w = _wtile(w0, w1, w2, w3, w4, w5, w6, BITS, SIGNED, FP8, PRE, HAS_MIN, BLOCK_SCALE,
                            sblk, mblk, soff0, t, scales_ptr, mins_ptr, wmask, P, GROUP, xdt)
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :], mask=xmask, other=0)
-            if PACK and not PRE:
-                xt = _paired(xt, BM, K)
             if SWAP:
                 acc = tl.dot(w, tl.trans(xt), acc)
             else:
@@ -709,6 +700,13 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
         return None
 
 
+def pack_order(x: torch.Tensor) -> torch.Tensor:
+    """x [m, cols] with its columns in `_nibble_levels`' order: within every 32 columns (4
+    words of 8 codes), column 8m + 2q + b takes column 8q + 4b + m."""
+    m, cols = x.shape
+    return x.reshape(m, cols // 32, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(m, cols)
+
+
 def _pow2_ceil(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -749,8 +747,10 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
         if cfg.get("GPOST") and not (swap and g >= 16 and whole_groups):
             return None
         # PACK decodes raw 4-bit levels (x's 16-bit dtype): the dot must take them unscaled.
+        # Its column order works on 4 words at a time: tiles (and GPOST's groups) of 4k words.
         raw = cfg.get("GPOST") or (g == 0 and not spec.has_min)
-        if cfg.get("PACK") and not (spec.bits == 4 and raw):
+        words_per_dot = g // p if cfg.get("GPOST") else t
+        if cfg.get("PACK") and not (spec.bits == 4 and raw and words_per_dot % 4 == 0):
             return None
         split = min(split, nblk // t)
         while (nblk // t) % split:
@@ -762,6 +762,8 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
     even = nblk % per_split == 0 and per_split % t == 0
     sb = cfg.get("SB", True) and even and whole_groups and ((t * p) // g) & ((t * p) // g - 1) == 0
     xperm = cfg.get("XPERM", False) and kind != "wdot"
+    if kind == "wdot" and cfg.get("PACK"):
+        x2 = pack_order(x2)
     if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
         xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
         x2 = xp if kind == "mma" else xp.float()
