@@ -162,9 +162,35 @@ PACKED_CHECK = textwrap.dedent(
 
 
 def test_packed_nibble_tiles_in_interpreter():
-    """PACK's tile and x in paired order, with the plain decode in place of the PTX: right
+    """PACK's tile and x in wgmma's column order, with the plain decode in place of the PTX: right
     against float32 for symmetric, affine and per-row 4-bit formats."""
     run_in_interpreter(PACKED_CHECK, timeout=600)
+
+
+def test_pack_order_is_the_kernels_column_order():
+    """`pack_order` puts x's column 8q + 4b + m (nibble m + 4b of word q) at 8m + 2q + b,
+    within every 32 columns."""
+    from vllm_embed_plugin.kernels.gemm_words import pack_order
+
+    x = torch.arange(64.0).reshape(1, 64)
+    order = [(h, m, q, b) for h in range(2) for m in range(4) for q in range(4) for b in range(2)]
+    want = [32 * h + 8 * q + 4 * b + m for h, m, q, b in order]
+    assert pack_order(x)[0].tolist() == want
+
+
+def test_pack_leaves_groups_of_2_words_to_the_generic_kernels():
+    """PACK orders columns 4 words at a time: a dot per group of 2 words (int4 g16) takes
+    the generic kernels (None), before any launch."""
+    from vllm_embed_plugin.kernels.gemm_words import linear_words, words_of
+    from vllm_embed_plugin.kernels.triton_lookup import spec_of
+
+    fmt = IntFormat("g16", 4, 16)
+    table = quantize_table(torch.randn(64, 256), fmt)
+    spec = spec_of(fmt, 256)
+    cfg = dict(KIND="wdot", BM=16, BN=16, T=8, num_warps=1, num_stages=1, GPOST=True, PACK=True)
+    x = torch.randn(1, 256).half()
+    out = torch.empty(1, 64, dtype=x.dtype)
+    assert linear_words(spec, table, words_of(table, spec, 256), x, 256, out, cfg) is None
 
 
 def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
