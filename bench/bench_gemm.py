@@ -164,10 +164,11 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(KIND="cublas", CHUNK_BYTES=192 << 20),
         ]
     if bits == 4 and m <= 256:  # raw levels decoded two per instruction, scaled per group after
-        # BN = 128 on 8 warps, like BN = 64 on 4, keeps the tile in registers as wgmma's A.
-        shapes = [(16, 64, 128, 4, 3), (16, 128, 128, 8, 3), (16, 64, 256, 4, 3)]
+        # More rows a thread spreads the loop's fixed cost: on sm_90, 5.0 instructions a weight
+        # at BN = 64 on 4 warps, 3.6 at BN = 128, 2.9 at BN = 256 (bench/kernel_sass.py).
+        shapes = [(16, bn, 128, 4, 3) for bn in (64, 128, 256)] + [(16, 128, 256, 4, 3)]
         if m > 16:
-            shapes = [(64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 64, 128, 4, 3)]
+            shapes = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3)]
         if m > 64:
             shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 4, 3)]
         out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]

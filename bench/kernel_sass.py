@@ -59,6 +59,22 @@ def compile_wdot(a):
         return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
 
 
+def main_loop(lines: list[str]) -> list[str]:
+    """The longest backward branch's body: from its label to the branch."""
+    labels = {
+        m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))
+    }
+    best = (0, len(lines) - 1)
+    spans = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            spans.append((labels[m.group(1)], i))
+    if spans:
+        best = max(spans, key=lambda span: span[1] - span[0])
+    return lines[best[0] : best[1] + 1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--bits", type=int, default=8, help="4, 5, 6 or 8")
@@ -73,16 +89,16 @@ def main() -> int:
     ap.add_argument("--pack", action="store_true", help="4-bit levels two per instruction")
     a = ap.parse_args()
     lines = compile_wdot(a).splitlines()
-    branches = [i for i, line in enumerate(lines) if re.search(r"\bBRA\b", line)]
-    # The main loop: from the first conditional branch to the backward branch after it.
-    loop = lines[branches[0] : branches[1] + 1] if len(branches) > 1 else lines
+    loop = main_loop(lines)
     mix = collections.Counter(m.group(1) for line in loop if (m := OPCODE.search(line)))
     total = sum(1 for line in lines if OPCODE.search(line))
     spills = sum(1 for line in lines if re.search(r"\b(LDL|STL)\b", line))
     mma = sorted({m.group(0) for line in lines if (m := re.search(r"HGMMA\.\S+|HMMA\.\S+", line))})
     waits = collections.Counter(re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", "\n".join(lines)))
+    weights = a.bn * a.cpt / (32 * a.warps)  # one pass of the loop, per thread
     print(
-        f"{total} instructions, {sum(mix.values())} in the main loop, {spills} spill loads/stores"
+        f"{total} instructions, {sum(mix.values())} in the main loop "
+        f"({sum(mix.values()) / weights:.2f} a weight), {spills} spill loads/stores"
     )
     print(f"tensor-core instructions: {', '.join(mma) or 'none'}; wgmma waits: {dict(waits)}")
     print("main loop: " + ", ".join(f"{op} {n}" for op, n in mix.most_common(16)))
