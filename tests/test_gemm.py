@@ -161,6 +161,7 @@ PACKED_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.interpreter
 def test_packed_nibble_tiles_in_interpreter():
     """PACK's tile and x in wgmma's column order, with the plain decode in place of the PTX: right
     against float32 for symmetric, affine and per-row 4-bit formats."""
