@@ -102,29 +102,28 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "m, bits, fp8, kind, bm, swap",
+    "m, bits, fp8, kind, bm",
     [
-        (64, 8, False, "wdot", 64, False),
-        (100, 8, False, "wdot", 128, False),
-        (100, 8, True, "wdot", 128, False),
-        (100, 4, False, "tiles", None, None),
-        (200, 8, False, "wdot", 256, True),
-        (256, 4, False, "wdot", 256, True),
-        (256, 8, True, "wdot", 256, False),
-        (256, 6, False, "cublas", None, None),
-        (257, 8, False, "cublas", None, None),
+        (64, 8, False, "wdot", 64),
+        (100, 8, False, "wdot", 128),
+        (100, 8, True, "wdot", 128),
+        (100, 4, False, "tiles", None),
+        (200, 8, False, "wdot", 256),
+        (256, 4, False, "wdot", 256),
+        (256, 8, True, "wdot", 256),
+        (256, 6, False, "cublas", None),
+        (257, 8, False, "cublas", None),
     ],
 )
-def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm, swap):
+def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm):
     """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
-    the left up to 128; W on the left above, int8 and int4); int5/int6 and larger M take the
-    cuBLAS chunks (docs/BENCHMARKS.md)."""
+    the left); int5/int6 and larger M take the cuBLAS chunks (docs/BENCHMARKS.md)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     cfg = linear_config(m, 262144, 2560, bits, fp8)
     assert cfg["KIND"] == kind
     if bm is not None:
-        assert cfg["BM"] == bm and cfg.get("SWAP", True) is swap and cfg["BM"] >= m
+        assert cfg["BM"] == bm and cfg["SWAP"] is False and cfg["BM"] >= m
 
 
 @pytest.mark.interpreter
