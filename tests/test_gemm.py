@@ -280,6 +280,34 @@ def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
         assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), cfg
 
 
+#: W on the left with every row of x in one tile: the candidates for M = 129-256 that the
+#: H100 sweep found faster (docs/BENCHMARKS.md), not routed until this test passes on a GPU.
+WIDE_W_LEFT = [
+    ("int8", dict(KIND="wdot", BM=256, BN=128, T=16, num_warps=8, num_stages=4)),
+    ("int4", dict(KIND="wdot", BM=256, BN=64, T=8, num_warps=4, num_stages=3)),
+]
+
+
+@cuda
+@pytest.mark.parametrize("name, cfg", WIDE_W_LEFT, ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("rows, cols", [(131072, 2560), (65536, 4096)])
+def test_gpu_w_on_the_left_tiles_are_right_and_deterministic(name, cfg, rows, cols):
+    """The M = 129-256 candidates: right against float32 and the same bits over 5 calls at
+    every M they would serve, on two widths."""
+    from vllm_embed_plugin.kernels import triton_linear
+
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(3)
+    table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
+    wd = fmt.dequantize(table, cols, torch.float32)
+    for m in (129, 160, 200, 256):
+        x = torch.randn(m, cols, device="cuda").to(torch.bfloat16)
+        out = triton_linear.linear(fmt, table, x, cols, config=cfg)
+        assert rel_err(out, x.float() @ wd.T) < 1e-2, m
+        for _ in range(5):
+            assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), m
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
