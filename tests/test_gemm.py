@@ -102,28 +102,29 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "m, bits, fp8, kind, bm",
+    "m, bits, fp8, kind, bm, swap",
     [
-        (64, 8, False, "wdot", 64),
-        (100, 8, False, "wdot", 128),
-        (100, 8, True, "wdot", 128),
-        (100, 4, False, "tiles", None),
-        (200, 8, False, "wdot", 256),
-        (256, 4, False, "wdot", 256),
-        (256, 8, True, "wdot", 256),
-        (256, 6, False, "cublas", None),
-        (257, 8, False, "cublas", None),
+        (64, 8, False, "wdot", 64, False),
+        (100, 8, False, "wdot", 128, False),
+        (100, 8, True, "wdot", 128, False),
+        (100, 4, False, "tiles", None, None),
+        (200, 8, False, "wdot", 256, True),
+        (256, 4, False, "wdot", 256, True),
+        (256, 8, True, "wdot", 256, False),
+        (256, 6, False, "cublas", None, None),
+        (257, 8, False, "cublas", None, None),
     ],
 )
-def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm):
+def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm, swap):
     """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
-    the left); int5/int6 and larger M take the cuBLAS chunks (docs/BENCHMARKS.md)."""
+    the left up to 128; W on the left above, int8 and int4); int5/int6 and larger M take the
+    cuBLAS chunks (docs/BENCHMARKS.md)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     cfg = linear_config(m, 262144, 2560, bits, fp8)
     assert cfg["KIND"] == kind
     if bm is not None:
-        assert cfg["BM"] == bm and cfg["SWAP"] is False and cfg["BM"] >= m
+        assert cfg["BM"] == bm and cfg.get("SWAP", True) is swap and cfg["BM"] >= m
 
 
 @pytest.mark.interpreter
@@ -280,8 +281,9 @@ def test_gpu_gemm_every_size_is_right_and_deterministic(fmt, cols):
         assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), cfg
 
 
-#: W on the left with every row of x in one tile: the candidates for M = 129-256 that the
-#: H100 sweep found faster (docs/BENCHMARKS.md), not routed until this test passes on a GPU.
+#: W on the left with every row of x in one tile: the tiles the dispatch gives int8 and int4
+#: at M = 129-256 (docs/BENCHMARKS.md), checked here with explicit configs, so a later route
+#: change leaves them tested.
 WIDE_W_LEFT = [
     ("int8", dict(KIND="wdot", BM=256, BN=128, T=16, num_warps=8, num_stages=4)),
     ("int4", dict(KIND="wdot", BM=256, BN=64, T=8, num_warps=4, num_stages=3)),
