@@ -771,6 +771,7 @@ def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, res
             continue
         engines[label] = engine
         log = engine.log_text()
+        log_lines = log.splitlines()
         ready = engine.ready
         workers = ready["workers"][0]
         loading = re.findall(r"Model loading took ([\d.]+) GiB", log)
@@ -787,9 +788,9 @@ def start_suite_engines(name: str, base: dict, configs: dict, log_dir: Path, res
             )
             if workers.get("draft")
             else None,
-            "conversion_log": conversion_lines(log.splitlines()),
-            "share_log": [x for x in log.splitlines() if "Sharing target model" in x],
-            "unknown_env_warnings": unknown_env_warnings(log.splitlines()),
+            "conversion_log": conversion_lines(log_lines),
+            "share_log": [x for x in log_lines if "Sharing target model" in x],
+            "unknown_env_warnings": unknown_env_warnings(log_lines),
             "graph_breaks": log.count("Graph break"),
         }
         # Printed as it comes, so a run cut short still shows it.

@@ -64,15 +64,13 @@ def main_loop(lines: list[str]) -> list[str]:
     labels = {
         m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))
     }
-    best = (0, len(lines) - 1)
     spans = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
         if m and labels.get(m.group(1), i) < i:
             spans.append((labels[m.group(1)], i))
-    if spans:
-        best = max(spans, key=lambda span: span[1] - span[0])
-    return lines[best[0] : best[1] + 1]
+    start, end = max(spans, key=lambda span: span[1] - span[0], default=(0, len(lines) - 1))
+    return lines[start : end + 1]
 
 
 def main() -> int:
