@@ -26,7 +26,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import graph_time_us, md_table, median_time, precompile, random_packed  # noqa: E402
+from timing import (  # noqa: E402
+    gpu_target,
+    graph_time_us,
+    md_table,
+    median_time,
+    precompile,
+    random_packed,
+)
 
 from vllm_embed_plugin.formats import FORMATS  # noqa: E402
 from vllm_embed_plugin.kernels import triton_linear  # noqa: E402
@@ -37,7 +44,6 @@ MS = [1, 2, 4, 8, 16, 64, 128, 256, 4096]
 SHIPPED = ["int8", "int6", "int5", "int4", "fp8"]
 WIDE = False  # --wide: a larger grid of word-tile candidates
 VARIANTS = ""  # --variants: a regular expression the swept variants' names must match
-TARGETS = {"int8": 0.60, "int6": 0.50, "int5": 0.50, "int4": 0.40, "fp8": 0.60}
 
 
 def label(name: str) -> str:
@@ -290,13 +296,6 @@ def machete_setup(rows: int, cols: int, bits: int, group: int):
     return run
 
 
-def target(name: str, m: int) -> float | None:
-    """Issue 12's ratio to BF16 (fp8 has none at M <= 16)."""
-    if m <= 16:
-        return TARGETS.get(name)
-    return 1.0 if m <= 256 else 1.1
-
-
 def cell(t: float, bf: float, tgt: float | None, mark: str = "") -> str:
     s = f"{t:.0f} us ({t / bf:.2f}x){mark}"
     return f"**{s}**" if tgt is not None and t / bf > tgt + 0.005 else s
@@ -382,7 +381,7 @@ def bench_table(
             f"  {name}: rel. error {err:.1e} (M={m_err}), same bits over 10 calls at every M: {same_all}"
         )
         table_rows.append(
-            [label(name)] + [cell(best[m][0], bf[m], target(name, m), best[m][3]) for m in ms]
+            [label(name)] + [cell(best[m][0], bf[m], gpu_target(name, m), best[m][3]) for m in ms]
         )
         cfg_rows.append([label(name)] + [best[m][1] for m in ms])
         results[name] = best

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gemm import machete_setup, marlin_setup  # noqa: E402
-from timing import cpu_time_us, md_table, median_time, random_packed  # noqa: E402
+from timing import cpu_time_us, gpu_target, md_table, median_time, random_packed  # noqa: E402
 
 from vllm_embed_plugin import kernels  # noqa: E402
 from vllm_embed_plugin.formats import FORMATS  # noqa: E402
@@ -35,28 +35,7 @@ from vllm_embed_plugin.formats import FORMATS  # noqa: E402
 TABLES = [(262144, 2560), (151936, 4096)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 4096]
 SHIPPED = ["int8", "int6", "int5", "int4", "fp8"]
-#: Issue 24's GPU targets (ratio to BF16) by format, for M = 1, M <= 16, M = 64, M <= 256.
-TARGETS = {
-    "int8": (0.55, 0.60, 0.70, 1.0),
-    "int4": (0.35, 0.40, 0.55, 1.0),
-    "int5": (0.60, 0.60, 0.80, 1.0),
-    "int6": (0.60, 0.60, 0.80, 1.0),
-    "fp8": (None, None, None, 1.0),
-}
 CPU_TARGET_US = 20.0
-
-
-def gpu_target(name: str, m: int) -> float | None:
-    t1, t16, t64, t256 = TARGETS[name]
-    if m == 1:
-        return t1
-    if m <= 16:
-        return t16
-    if m == 64:
-        return t64
-    if m <= 256:
-        return t256
-    return 1.05
 
 
 def mark(text: str, missed: bool) -> str:

@@ -172,3 +172,27 @@ def precompile(jobs, workers=12) -> list[bool]:
         flush=True,
     )
     return ok
+
+
+#: Issue 24's GPU targets (ratio to BF16) by format, for M = 1, M <= 16, M = 64, M <= 256.
+TARGETS = {
+    "int8": (0.55, 0.60, 0.70, 1.0),
+    "int4": (0.35, 0.40, 0.55, 1.0),
+    "int5": (0.60, 0.60, 0.80, 1.0),
+    "int6": (0.60, 0.60, 0.80, 1.0),
+    "fp8": (None, None, None, 1.0),
+}
+
+
+def gpu_target(name: str, m: int) -> float | None:
+    """Issue 24's ratio to BF16 for format `name` at M rows of x (M = 4096: 1.05)."""
+    t1, t16, t64, t256 = TARGETS[name]
+    if m == 1:
+        return t1
+    if m <= 16:
+        return t16
+    if m == 64:
+        return t64
+    if m <= 256:
+        return t256
+    return 1.05
