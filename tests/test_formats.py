@@ -46,6 +46,17 @@ def test_four_bit_layout_is_low_nibble_first():
     assert packed.tolist() == [[0x21, 0x43, 0x65, 0x07]]
 
 
+@pytest.mark.parametrize("bits, high_bytes", [(6, [0b11100100, 0b00011011]), (5, [0b01010101])])
+def test_five_and_six_bit_rows_are_a_nibble_plane_then_a_high_plane(bits, high_bytes):
+    """The low 4 bits of every code, stored as 4-bit codes are, then the high bits as a bit
+    stream (value j of 8 at bit (bits - 4) * j): kernels read both planes as aligned words."""
+    high = [0, 1, 2, 3, 3, 2, 1, 0] if bits == 6 else [1, 0] * 4
+    levels = torch.tensor([[(h << 4) | (j + 1) for j, h in enumerate(high)]])
+    packed = pack_bits(levels, bits)
+    assert packed.tolist() == [[0x21, 0x43, 0x65, 0x87] + high_bytes]
+    assert torch.equal(unpack_bits(packed, bits, 8, signed=False), levels.int())
+
+
 # Relative RMS error bounds on Gaussian rows (measured: int8 row 0.8%, int4 g32 8.6%).
 ERROR_BOUND = {8: 0.012, 6: 0.04, 5: 0.06, 4: 0.11}
 

@@ -1,9 +1,12 @@
 """Integer formats: `bits`-bit codes in groups of `group_size` columns, one scale per group
 (symmetric) or a scale and a minimum per group (affine).
 
-Layout of one row: codes are a little-endian bit stream, eight values in `bits` bytes
-(8-bit: one byte each; 6-bit: four values in three bytes; 4-bit: two per byte, low nibble
-first). Symmetric codes are two's complement, affine codes are unsigned. Scales and minimums
+Layout of one row (`bits` bytes per eight columns): 8-bit codes one byte each; 4-bit codes two
+per byte, low nibble first. 5- and 6-bit codes are two planes, so that every read is an
+aligned word: the low 4 bits of every code as 4-bit codes would be stored, then the high 1 or
+2 bits as a little-endian bit stream (`high_bits`). Other widths are a little-endian bit
+stream, eight values in `bits` bytes. Symmetric codes are two's complement, affine codes are
+unsigned. Scales and minimums
 are float16 for groups (bfloat16 for Machete's layout) and float32 for a whole-row group.
 
 Scale choice follows llama.cpp's quantizers: try a few candidate scales per group, round, then
@@ -413,31 +416,57 @@ def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
 # -- bit packing ---------------------------------------------------------------------------
 
 
+def high_bits(bits: int) -> int:
+    """Bits per code in the high plane of a `bits`-bit row (0: the row is one plane)."""
+    return bits - 4 if bits in (5, 6) else 0
+
+
 def pack_bits(levels: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer levels [n, cols] (signed or unsigned, fitting in `bits`) -> [n, ceil(cols/8)*bits] uint8."""
-    n, cols = levels.shape
-    values = _pad_cols(levels.to(torch.int64), math.ceil(cols / 8) * 8) & ((1 << bits) - 1)
-    if bits == 8:
-        return values.to(torch.uint8)
-    values = values.view(n, -1, 8)
-    shifts = torch.arange(8, device=levels.device, dtype=torch.int64) * bits
-    words = (values << shifts).sum(-1, keepdim=True)  # [n, cols/8, 1], at most 64 bits
-    byte_shifts = torch.arange(bits, device=levels.device, dtype=torch.int64) * 8
-    return ((words >> byte_shifts) & 0xFF).to(torch.uint8).view(n, -1)
+    values = levels.to(torch.int64) & ((1 << bits) - 1)
+    high = high_bits(bits)
+    if high:
+        return torch.cat([_pack_stream(values & 15, 4), _pack_stream(values >> 4, high)], dim=1)
+    return _pack_stream(values, bits)
 
 
 def unpack_bits(codes: torch.Tensor, bits: int, cols: int, signed: bool) -> torch.Tensor:
     """Inverse of `pack_bits`: [n, code_bytes] uint8 -> [n, cols] int32 levels."""
-    n = codes.shape[0]
-    if bits == 8:
-        values = codes.view(torch.int8) if signed else codes
-        return values[:, :cols].to(torch.int32)
-    raw = codes.to(torch.int64).view(n, -1, bits)
-    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
-    words = (raw << byte_shifts).sum(-1, keepdim=True)
-    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
-    values = ((words >> shifts) & ((1 << bits) - 1)).view(n, -1)[:, :cols]
+    high = high_bits(bits)
+    if high:
+        low_bytes = math.ceil(cols / 8) * 4
+        values = _unpack_stream(codes[:, :low_bytes], 4, cols) | (
+            _unpack_stream(codes[:, low_bytes:], high, cols) << 4
+        )
+    elif bits == 8:
+        values = codes[:, :cols].to(torch.int64)
+    else:
+        values = _unpack_stream(codes, bits, cols)
     if signed:
         half = 1 << (bits - 1)
         values = (values ^ half) - half
     return values.to(torch.int32)
+
+
+def _pack_stream(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned values [n, cols] below 2^bits -> [n, ceil(cols/8)*bits] uint8, a little-endian
+    bit stream."""
+    n, cols = values.shape
+    values = _pad_cols(values, math.ceil(cols / 8) * 8)
+    if bits == 8:
+        return values.to(torch.uint8)
+    values = values.view(n, -1, 8)
+    shifts = torch.arange(8, device=values.device, dtype=torch.int64) * bits
+    words = (values << shifts).sum(-1, keepdim=True)  # [n, cols/8, 1], at most 64 bits
+    byte_shifts = torch.arange(bits, device=values.device, dtype=torch.int64) * 8
+    return ((words >> byte_shifts) & 0xFF).to(torch.uint8).view(n, -1)
+
+
+def _unpack_stream(codes: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of `_pack_stream`: [n, ceil(cols/8)*bits] uint8 -> [n, cols] int64."""
+    n = codes.shape[0]
+    raw = codes.to(torch.int64).reshape(n, -1, bits)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    words = (raw << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    return ((words >> shifts) & ((1 << bits) - 1)).view(n, -1)[:, :cols]

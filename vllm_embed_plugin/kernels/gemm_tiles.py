@@ -1,5 +1,5 @@
 """The generic tile kernels of the head GEMM ("tiles", the fallback of every format and
-width): codes read through the lookup's chunk unpacker (8- and 4-bit codes split in
+width): codes read through the lookup's chunk unpacker (8-, 6-, 5- and 4-bit codes split in
 registers), tensor cores on the transposed product for small M, classic tiles for larger M,
 and the CUDA-core GEMV for one row of x. `triton_linear` chooses between these and the word
 kernels (`gemm_words`)."""
@@ -13,21 +13,37 @@ import triton
 import triton.language as tl
 
 from ..formats import PackedRows, TableFormat
-from .triton_lookup import dequant_chunks, units_of
+from .triton_lookup import dequant_chunks, planes_of
 
 
 @triton.jit
-def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
-                 rn_safe, scale_stride, srow, mrow,
+def _high_pairs(codes8_ptr, row_off8, kc, BK: tl.constexpr, HIGH: tl.constexpr):
+    """[BN, BK / 2] int32: the high plane's bits of the two codes of each low-nibble byte of
+    the tile at chunk kc (first code's in the low HIGH bits). `row_off8`: the plane's start."""
+    hb = tl.load(codes8_ptr + row_off8 + kc * HIGH + tl.arange(0, BK * HIGH // 8)[None, :])
+    hb = hb.to(tl.int32)
+    if HIGH == 2:  # a byte: four codes, two a nibble byte
+        h = tl.interleave(hb & 15, hb >> 4)
+    else:  # a byte: eight codes; bits 2s and 2s + 1 go to nibble byte s of four
+        h = tl.interleave(tl.interleave(hb, hb >> 4), tl.interleave(hb >> 2, hb >> 6)) & 3
+    return h
+
+
+@triton.jit
+def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc, cmask,
+                 scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow,
                  BN: tl.constexpr, NKC: tl.constexpr, FAST: tl.constexpr,
-                 BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
+                 UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                  HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr):
     """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
-    value, or 4-bit codes as bytes split into nibbles, with group scales broadcast over
+    value, or 4-bit codes (and the low nibbles of 5- and 6-bit codes, OR-ed with their high
+    plane's bits) as bytes split into nibbles, with group scales broadcast over
     [BN, groups, GROUP] (GROUP a power of two dividing the tile); otherwise the generic
     chunk path of the lookup."""
     BK: tl.constexpr = NKC * 8
+    HALF: tl.constexpr = 1 << (BITS - 1)
     if FAST:
         if GROUP == 0:
             scale = srow
@@ -62,9 +78,13 @@ def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr
             raw = tl.load(codes8_ptr + row_off8 + k[None, :]).to(tl.int32)
             lo = raw & 15
             hi = raw >> 4
+            if HIGH:
+                h = _high_pairs(codes8_ptr, row_off8 + nchunk * 4, kc, BK, HIGH)
+                lo = lo | ((h & ((1 << HIGH) - 1)) << 4)
+                hi = hi | ((h >> HIGH) << 4)
             if SIGNED:
-                lo = (lo ^ 8) - 8
-                hi = (hi ^ 8) - 8
+                lo = (lo ^ HALF) - HALF
+                hi = (hi ^ HALF) - HALF
             v = tl.interleave(lo, hi).to(tl.float32)
         if POST_SCALE:
             res = v.to(DT)
@@ -91,17 +111,19 @@ def _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr
                 mn = tl.load(mins_ptr + soff, mask=cmask, other=0).to(tl.float32)
             else:
                 mn = scale
-        return dequant_chunks(units_ptr, row_off, chunk[None, :], cmask, scale, mn,
-                              BITS, U, UNIT_BITS, SIGNED, FP8, not POST_SCALE, HAS_MIN, DT)
+        return dequant_chunks(units_ptr, row_off, high_ptr, high_off, chunk[None, :], cmask, scale,
+                              mn, BITS, HIGH, U, UNIT_BITS, HU, SIGNED, FP8, not POST_SCALE,
+                              HAS_MIN, DT)
 
 
 @triton.jit
-def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
+def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, out_ptr,
                    M, N, cols, nchunk, k_chunks_per_split, stride_xm, code_stride, code8_stride,
-                   scale_stride, stride_om, stride_split,
+                   high_stride, high_start, scale_stride, stride_om, stride_split,
                    BM: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, SWAP: tl.constexpr,
                    SPLIT: tl.constexpr, POST_SCALE: tl.constexpr, FAST: tl.constexpr,
-                   BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                   BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
+                   UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                    GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                    HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -114,6 +136,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
     rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
     row_off = rn_safe[:, None] * code_stride
     row_off8 = rn_safe[:, None] * code8_stride
+    high_off = rn_safe[:, None] * high_stride + high_start
     xdt = x_ptr.dtype.element_ty
     srow = tl.zeros([BN, 1], dtype=tl.float32)
     mrow = srow
@@ -133,9 +156,10 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
             cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
         else:
             cmask = (chunk < k_end)[None, :] & (rn_safe >= 0)[:, None]
-        w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
-                         rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
-                         GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, xdt)
+        w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
+                         cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC,
+                         FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN,
+                         POST_SCALE, xdt)
         kk = kc * 8 + tl.arange(0, NKC * 8)
         if EVEN_K:
             xmask = mmask[:, None] & (kk >= 0)[None, :]
@@ -164,10 +188,11 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
 
 
 @triton.jit
-def _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe, scales_ptr, mins_ptr,
-               scale_stride, srow, mrow, M, cols, nchunk, stride_xm,
+def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, kc, rn_safe,
+               scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols, nchunk, stride_xm,
                MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
-               FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+               FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
+               UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
@@ -177,9 +202,10 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe, sca
         cmask = (chunk >= 0)[None, :] & (rn_safe >= 0)[:, None]
     else:
         cmask = (chunk < nchunk)[None, :] & (rn_safe >= 0)[:, None]
-    w = _weight_tile(units_ptr, codes8_ptr, row_off, row_off8, kc, cmask, scales_ptr, mins_ptr,
-                     rn_safe, scale_stride, srow, mrow, BN, NKC, FAST, BITS, U, UNIT_BITS,
-                     GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE, tl.float32)
+    w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
+                     cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC, FAST,
+                     BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE,
+                     tl.float32)
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -195,10 +221,12 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe, sca
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
-                 M, N, cols, nchunk, stride_xm, code_stride, code8_stride, scale_stride, stride_om,
+def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, out_ptr,
+                 M, N, cols, nchunk, stride_xm, code_stride, code8_stride, high_stride, high_start,
+                 scale_stride, stride_om,
                  MP: tl.constexpr, BN: tl.constexpr, NKC: tl.constexpr, POST_SCALE: tl.constexpr,
-                 FAST: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, UNIT_BITS: tl.constexpr,
+                 FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
+                 UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                  HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
@@ -210,6 +238,7 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
     rn_safe = tl.where(nmask, rn, 0).to(tl.int64)
     row_off = rn_safe[:, None] * code_stride
     row_off8 = rn_safe[:, None] * code8_stride
+    high_off = rn_safe[:, None] * high_stride + high_start
     srow = tl.zeros([BN, 1], dtype=tl.float32)
     mrow = srow
     if GROUP == 0:
@@ -218,15 +247,17 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, scales_ptr, mins_ptr, out_ptr,
             mrow = tl.load(mins_ptr + rn_safe * scale_stride).to(tl.float32)[:, None]
     # The first block is peeled: the partial sums take the layout of the weight loads
     # (16-byte vectors) instead of a default one that would split the loads into bytes.
-    acc0, acc1, acc2, acc3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, 0, rn_safe,
-                                        scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
-                                        nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
-                                        UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
+    acc0, acc1, acc2, acc3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
+                                        high_off, 0, rn_safe, scales_ptr, mins_ptr, scale_stride,
+                                        srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
+                                        POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP,
+                                        SIGNED, FP8, HAS_MIN, EVEN_K)
     for kc in range(NKC, nchunk, NKC):
-        p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, row_off, row_off8, kc, rn_safe,
-                                    scales_ptr, mins_ptr, scale_stride, srow, mrow, M, cols,
-                                    nchunk, stride_xm, MP, BN, NKC, POST_SCALE, FAST, BITS, U,
-                                    UNIT_BITS, GROUP, SIGNED, FP8, HAS_MIN, EVEN_K)
+        p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
+                                    high_off, kc, rn_safe, scales_ptr, mins_ptr, scale_stride,
+                                    srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
+                                    POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED,
+                                    FP8, HAS_MIN, EVEN_K)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -247,6 +278,12 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_in_registers(spec) -> bool:
+    """Codes the FAST tile reads as bytes and splits in registers: 8-bit, 4-bit, and 5- and
+    6-bit (a nibble plane and a high plane)."""
+    return spec.bits in (4, 8) or spec.high > 0
 
 
 def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
@@ -273,7 +310,9 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
                   out: torch.Tensor, config: dict | None) -> torch.Tensor:
     """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
     m, n = x2.shape[0], table.num_rows
-    units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
+    (units, per_chunk, unit_bits), (high, high_per_chunk, high_start) = planes_of(table.codes, spec)
+    planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
+                  HU=high_per_chunk)
     cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
@@ -294,14 +333,14 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
         nchunk = math.ceil(cols / 8)
         even_k = nchunk % nkc == 0 and cols % 8 == 0
         group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and cfg["BK"] % spec.group == 0)
-        fast = cfg.get("FAST", True) and even_k and spec.bits in (4, 8) and group_ok
+        fast = cfg.get("FAST", True) and even_k and _split_in_registers(spec) and group_ok
         _gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            x2, units, table.codes, scales, mins, out,
+            x2, units, table.codes, high, scales, mins, out,
             m, n, cols, nchunk, x2.stride(0), units.stride(0), table.codes.stride(0),
-            scales.stride(0), out.stride(0),
+            high.stride(0), high_start, scales.stride(0), out.stride(0),
             MP=1 if m == 1 else (2 if m == 2 else 4), BN=cfg["BN"], NKC=nkc, POST_SCALE=post,
-            FAST=fast, BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group,
-            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+            FAST=fast, GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
+            EVEN_K=even_k, **planes,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return out
@@ -310,7 +349,7 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     def fast_path(bk: int) -> bool:
         even = nchunk % (bk // 8) == 0 and cols % 8 == 0
         group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and bk % spec.group == 0)
-        return cfg.get("FAST", True) and even and spec.bits in (4, 8) and group_ok
+        return cfg.get("FAST", True) and even and _split_in_registers(spec) and group_ok
 
     if not fast_path(cfg["BK"]) and per_chunk > 1 and not cfg["SWAP"]:
         # Triton 3.6 fails to compile strided-unit tiles as the right-hand operand: use the
@@ -330,11 +369,12 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     stages = cfg["num_stages"]
     _linear_kernel[(grid_m, grid_n, split)](
-        x2, units, table.codes, scales, mins, dest,
+        x2, units, table.codes, high, scales, mins, dest,
         m, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
-        scales.stride(0), dest.stride(-2), dest.stride(0) if split > 1 else 0,
+        high.stride(0), high_start, scales.stride(0), dest.stride(-2),
+        dest.stride(0) if split > 1 else 0,
         BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
-        BITS=spec.bits, U=per_chunk, UNIT_BITS=unit_bits, GROUP=spec.group, SIGNED=spec.signed,
+        GROUP=spec.group, SIGNED=spec.signed, **planes,
         FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
         num_warps=cfg["num_warps"], num_stages=stages,
     )

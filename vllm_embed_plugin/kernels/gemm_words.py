@@ -3,7 +3,8 @@ words, each weight decoded once. `triton_linear` chooses between these and the g
 (`gemm_tiles`).
 
 A row's codes are read as 32-bit words, U of them holding P = 32 * U / BITS values ("a
-block": int8 1 word / 4 values, int4 1 / 8, int6 3 / 16, int5 5 / 32, fp8 1 / 4). A tile
+block": int8 1 word / 4 values, int4 1 / 8, fp8 1 / 4; 3- and 7-bit codes 3 / 32 and 7 / 32;
+5- and 6-bit rows are two planes, which these kernels do not read). A tile
 is T blocks of BN rows: U strided [BN, T] word loads that together cover T * U contiguous
 words per row. Value J of every block ("piece" J) is cut out with compile-time shifts and
 multiplied with the matching columns of x (t * P + J), so nothing is interleaved back into
@@ -687,8 +688,11 @@ def block_shape(bits: int) -> tuple[int, int]:
 
 def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
     """The codes as [rows, words] int32 (a view, no copy), or None when the row is not a
-    whole number of blocks or the view is not 4-byte aligned."""
+    whole number of blocks or the view is not 4-byte aligned, or is two planes (5- and 6-bit
+    codes: the generic tiles read those as fast as 4-bit ones)."""
     codes = table.codes
+    if spec.high:
+        return None
     u, p = block_shape(spec.bits)
     if cols % p or codes.shape[1] % 4 or codes.stride(-1) != 1 or codes.stride(0) % 4:
         return None

@@ -3,8 +3,10 @@
 A row is read in *chunks* of eight values, which is `bits` bytes for the integer formats and
 eight bytes for fp8 -- the unit the storage layout repeats in. Each chunk is loaded as
 `bits / unit_bytes` integer units (unit_bytes = gcd(bits, 8): int8 and fp8 read one 8-byte
-word per chunk, 4-bit one 4-byte word, 6-bit three 2-byte words, odd widths single bytes),
-glued into one 64-bit word, and split into its eight values with compile-time shifts. The
+word per chunk, 4-bit one 4-byte word, 3- and 7-bit single bytes), glued into one word, and
+split into its eight values with compile-time shifts. 5- and 6-bit rows are two planes
+(`formats.integer.high_bits`): a chunk is one 4-byte word of low nibbles and a 1- or 2-byte
+field of high bits, each read whole. The
 eight pieces are interleaved back into column order with `tl.join`, so a thread ends up
 holding contiguous columns and writes them with wide stores.
 
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Fp8Format, IntFormat, PackedRows, TableFormat
+from ..formats.integer import high_bits
 
 # -- the shared unpack/dequantize step (also used by the tied-head GEMM) --------------------
 
@@ -36,8 +39,10 @@ from ..formats import Fp8Format, IntFormat, PackedRows, TableFormat
 @triton.jit
 def _piece(
     w,
+    h,
     V: tl.constexpr,
     BITS: tl.constexpr,
+    HIGH: tl.constexpr,
     SIGNED: tl.constexpr,
     FP8: tl.constexpr,
     scale,
@@ -46,12 +51,17 @@ def _piece(
     HAS_MIN: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
 ):
-    """Value V (0..7) of every chunk word `w` (uint64), dequantized to OUT_DTYPE."""
+    """Value V (0..7) of every chunk word `w`, dequantized to OUT_DTYPE. HIGH: `w` holds the
+    chunk's low nibbles and `h` its HIGH-bit high parts."""
     if FP8:
         q = ((w >> (8 * V)) & 0xFF).to(tl.uint8)
         v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        q = ((w >> (V * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
+        if HIGH:
+            q = ((w >> (4 * V)) & 15) | (((h >> (HIGH * V)) & ((1 << HIGH) - 1)) << 4)
+        else:
+            q = (w >> (V * BITS)) & ((1 << BITS) - 1)
+        q = q.to(tl.int32)
         if SIGNED:
             q = (q ^ (1 << (BITS - 1))) - (1 << (BITS - 1))
         v = q.to(tl.float32)
@@ -63,16 +73,31 @@ def _piece(
 
 
 @triton.jit
+def _gather(base, mask, N: tl.constexpr, UNIT_BITS: tl.constexpr, WIDE: tl.constexpr):
+    """N consecutive units of UNIT_BITS bits from `base`, glued little-endian into one uint64
+    (WIDE) or uint32 word."""
+    wt: tl.constexpr = tl.uint64 if WIDE else tl.uint32
+    w = tl.load(base, mask=mask, other=0).to(wt)
+    for j in tl.static_range(1, N):
+        w = w | (tl.load(base + j, mask=mask, other=0).to(wt) << (UNIT_BITS * j))
+    return w
+
+
+@triton.jit
 def dequant_chunks(
     units_ptr,
     row_off,
+    high_ptr,
+    high_off,
     chunk,
     mask,
     scale,
     mn,
     BITS: tl.constexpr,
+    HIGH: tl.constexpr,
     U: tl.constexpr,
     UNIT_BITS: tl.constexpr,
+    HU: tl.constexpr,
     SIGNED: tl.constexpr,
     FP8: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
@@ -81,20 +106,21 @@ def dequant_chunks(
 ):
     """Chunks `chunk` [1, NK] of the rows starting at unit offset `row_off` [R, 1]:
     returns [R, NK * 8] values in column order. `units_ptr` points at unsigned units of
-    UNIT_BITS bits, U of them per chunk; `scale`/`mn` broadcast against [R, NK]."""
-    base = units_ptr + row_off + chunk * U
-    w = tl.load(base, mask=mask, other=0).to(tl.uint64)
-    for j in tl.static_range(1, U):
-        u = tl.load(base + j, mask=mask, other=0).to(tl.uint64)
-        w = w | (u << (UNIT_BITS * j))
-    p0 = _piece(w, 0, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p1 = _piece(w, 1, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p2 = _piece(w, 2, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p3 = _piece(w, 3, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p4 = _piece(w, 4, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p5 = _piece(w, 5, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p6 = _piece(w, 6, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
-    p7 = _piece(w, 7, BITS, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    UNIT_BITS bits, U of them per chunk (HIGH: the low-nibble plane, 32 bits a chunk), and
+    for HIGH > 0 `high_ptr` at the high plane's units, HU of them per chunk, from unit offset
+    `high_off` [R, 1]; `scale`/`mn` broadcast against [R, NK]."""
+    w = _gather(units_ptr + row_off + chunk * U, mask, U, UNIT_BITS, not HIGH)
+    h = w
+    if HIGH:
+        h = _gather(high_ptr + high_off + chunk * HU, mask, HU, (8 * HIGH) // HU, False)
+    p0 = _piece(w, h, 0, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p1 = _piece(w, h, 1, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p2 = _piece(w, h, 2, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p3 = _piece(w, h, 3, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p4 = _piece(w, h, 4, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p5 = _piece(w, h, 5, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p6 = _piece(w, h, 6, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
+    p7 = _piece(w, h, 7, BITS, HIGH, SIGNED, FP8, scale, mn, APPLY_SCALE, HAS_MIN, OUT_DTYPE)
     # join(a, b) adds a minor axis of 2; three levels give flat index 4p + 2q + r, so the
     # leaves go in bit-reversed order to come out as p0..p7.
     t = tl.join(
@@ -112,6 +138,7 @@ def dequant_chunks(
 def _lookup_kernel(
     ids_ptr,
     units_ptr,
+    high_ptr,
     scales_ptr,
     mins_ptr,
     out_ptr,
@@ -119,13 +146,17 @@ def _lookup_kernel(
     cols,
     nchunk,
     code_stride,
+    high_stride,
+    high_start,
     scale_stride,
     out_stride,
     BT: tl.constexpr,
     NK: tl.constexpr,
     BITS: tl.constexpr,
+    HIGH: tl.constexpr,
     U: tl.constexpr,
     UNIT_BITS: tl.constexpr,
+    HU: tl.constexpr,
     GROUP: tl.constexpr,
     SIGNED: tl.constexpr,
     FP8: tl.constexpr,
@@ -161,13 +192,17 @@ def _lookup_kernel(
     vals = dequant_chunks(
         units_ptr,
         row[:, None] * code_stride,
+        high_ptr,
+        row[:, None] * high_stride + high_start,
         chunk[None, :],
         mask,
         scale,
         mn,
         BITS,
+        HIGH,
         U,
         UNIT_BITS,
+        HU,
         SIGNED,
         FP8,
         True,
@@ -196,6 +231,7 @@ class Spec:
     """What the kernels need to know about a format, all compile-time constants."""
 
     bits: int  # bits per value (8 for fp8)
+    high: int  # bits per value in the high plane (formats.integer.high_bits), 0 for one plane
     group: int  # columns per scale, 0 = one scale per row
     signed: bool
     fp8: bool
@@ -214,7 +250,20 @@ def spec_of(fmt: TableFormat, cols: int) -> Spec | None:
         return None
     if group is not None and fmt.num_groups(cols) == 1:
         group = None  # one group: index the scale per row
-    return Spec(bits, group or 0, signed, fp8, not fp8 and not signed)
+    return Spec(bits, high_bits(bits), group or 0, signed, fp8, not fp8 and not signed)
+
+
+def planes_of(codes: torch.Tensor, spec: Spec) -> tuple[tuple, tuple]:
+    """The kernels' view of a table's codes: ((units, units per chunk, unit bits), (high
+    plane's units, its units per chunk, unit offset where it starts in a row)). One-plane
+    formats get the units twice and no high plane (0 units a chunk)."""
+    if not spec.high:
+        units = units_of(codes, spec.bits)
+        return units, (units[0], 0, 0)
+    nibbles = units_of(codes, 4)  # a plane of 4-bit codes, then the high bits
+    high, per_chunk, unit_bits = units_of(codes, spec.high)
+    start = codes.shape[1] // spec.bits * 32 // unit_bits  # a chunk: 8 nibbles, then its high bits
+    return nibbles, (high, per_chunk, start)
 
 
 def units_of(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, int, int]:
@@ -275,7 +324,7 @@ def lookup(
         out = torch.empty((n, cols), dtype=dtype, device=flat.device)
     if n == 0:
         return out.view(*ids.shape, cols)
-    units, per_chunk, unit_bits = units_of(table.codes, spec.bits)
+    (units, per_chunk, unit_bits), (high, high_per_chunk, high_start) = planes_of(table.codes, spec)
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     bt, nk, warps, stream = (
@@ -286,6 +335,7 @@ def lookup(
     _lookup_kernel[grid](
         flat,
         units,
+        high,
         scales,
         mins,
         out,
@@ -293,13 +343,17 @@ def lookup(
         cols,
         nchunk,
         units.stride(0),
+        high.stride(0),
+        high_start,
         scales.stride(0),
         out.stride(0),
         BT=bt,
         NK=nk,
         BITS=spec.bits,
+        HIGH=spec.high,
         U=per_chunk,
         UNIT_BITS=unit_bits,
+        HU=high_per_chunk,
         GROUP=spec.group,
         SIGNED=spec.signed,
         FP8=spec.fp8,
