@@ -30,20 +30,37 @@ def _high_pairs(codes8_ptr, row_off8, kc, BK: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _levels(lo, hi, BITS: tl.constexpr, SIGNED: tl.constexpr, MAGIC: tl.constexpr):
+    """Two [BN, K] int32 tiles of BITS-bit codes as one [BN, 2K] float32 tile of levels, `lo`'s
+    first in each pair. MAGIC: the code OR-ed into the mantissa of 2^23 (and its sign bit
+    flipped: two's complement + 2^(BITS-1)), then one exact float subtraction, instead of the
+    int->float unit (a quarter of the integer rate on Hopper)."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    if MAGIC:
+        HEAD: tl.constexpr = 0x4B000000 | (HALF if SIGNED else 0)
+        f = tl.interleave(lo ^ HEAD, hi ^ HEAD).to(tl.float32, bitcast=True)
+        return f - (8388608.0 + (HALF if SIGNED else 0))
+    if SIGNED:
+        lo = (lo ^ HALF) - HALF
+        hi = (hi ^ HALF) - HALF
+    return tl.interleave(lo, hi).to(tl.float32)
+
+
+@triton.jit
 def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc, cmask,
                  scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow,
                  BN: tl.constexpr, NKC: tl.constexpr, FAST: tl.constexpr,
                  BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                 HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr):
+                 HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr,
+                 MAGIC: tl.constexpr):
     """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
     value, or 4-bit codes (and the low nibbles of 5- and 6-bit codes, OR-ed with their high
     plane's bits) as bytes split into nibbles, with group scales broadcast over
-    [BN, groups, GROUP] (GROUP a power of two dividing the tile); otherwise the generic
-    chunk path of the lookup."""
+    [BN, groups, GROUP] (GROUP a power of two dividing the tile), levels made by `_levels`;
+    otherwise the generic chunk path of the lookup."""
     BK: tl.constexpr = NKC * 8
-    HALF: tl.constexpr = 1 << (BITS - 1)
     if FAST:
         if GROUP == 0:
             scale = srow
@@ -69,10 +86,7 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                 v = tl.interleave(lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
                                   hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
             else:
-                if SIGNED:
-                    lo = (lo ^ 128) - 128
-                    hi = (hi ^ 128) - 128
-                v = tl.interleave(lo, hi).to(tl.float32)
+                v = _levels(lo, hi, BITS, SIGNED, MAGIC)
         else:  # 4-bit: two values per byte, low nibble first
             k = kc * 4 + tl.arange(0, BK // 2)
             raw = tl.load(codes8_ptr + row_off8 + k[None, :]).to(tl.int32)
@@ -82,10 +96,7 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                 h = _high_pairs(codes8_ptr, row_off8 + nchunk * 4, kc, BK, HIGH)
                 lo = lo | ((h & ((1 << HIGH) - 1)) << 4)
                 hi = hi | ((h >> HIGH) << 4)
-            if SIGNED:
-                lo = (lo ^ HALF) - HALF
-                hi = (hi ^ HALF) - HALF
-            v = tl.interleave(lo, hi).to(tl.float32)
+            v = _levels(lo, hi, BITS, SIGNED, MAGIC)
         if POST_SCALE:
             res = v.to(DT)
         elif GROUP == 0:
@@ -125,7 +136,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
                    BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                    UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                    GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -159,7 +170,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
         w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                          cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC,
                          FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN,
-                         POST_SCALE, xdt)
+                         POST_SCALE, xdt, MAGIC)
         kk = kc * 8 + tl.arange(0, NKC * 8)
         if EVEN_K:
             xmask = mmask[:, None] & (kk >= 0)[None, :]
@@ -194,7 +205,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
                FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
     """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
     BK: tl.constexpr = NKC * 8
     chunk = kc + tl.arange(0, NKC)
@@ -205,7 +216,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
     w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                      cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC, FAST,
                      BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE,
-                     tl.float32)
+                     tl.float32, MAGIC)
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -228,7 +239,7 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                  FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
     rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
     reduced once at the end. No tensor cores, no shared-memory staging."""
@@ -251,13 +262,13 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                                         high_off, 0, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                         srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                         POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP,
-                                        SIGNED, FP8, HAS_MIN, EVEN_K)
+                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC)
     for kc in range(NKC, nchunk, NKC):
         p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
                                     high_off, kc, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                     srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                     POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED,
-                                    FP8, HAS_MIN, EVEN_K)
+                                    FP8, HAS_MIN, EVEN_K, MAGIC)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -311,11 +322,11 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
     m, n = x2.shape[0], table.num_rows
     (units, per_chunk, unit_bits), (high, high_per_chunk, high_start) = planes_of(table.codes, spec)
-    planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
-                  HU=high_per_chunk)
     cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
+    planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
+                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True))
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     post = spec.group == 0 and spec.signed and not spec.fp8
