@@ -93,6 +93,8 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         XPERM=True,
     )
     tiles = dict(KIND="tiles")  # the generic kernels (chunk unpack, tensor-core tiles)
+    if bits in (5, 6):  # two planes: the word kernels do not read them
+        return _unique(out + [tiles, dict(tiles, MAGIC=False)] + planes_candidates(m))
     if WIDE and m <= 256 and (m > 1 or bits in (5, 6)):
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         grid = [(bn, cpt, 4, st) for bn in (32, 64, 128) for cpt in (128, 256) for st in (3, 4)]
@@ -178,6 +180,48 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         if m > 64:
             shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 4, 3)]
         out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]
+    if tiles in out:  # levels through the int->float unit, as before the magic-number trick
+        out.append(dict(tiles, MAGIC=False))
+    return _unique(out)
+
+
+def planes_candidates(m: int) -> list[dict]:
+    """5- and 6-bit codes (a nibble plane and a high plane) in the generic tiles: shapes
+    around the shipped ones (`gemm_tiles.tiles_config`), and cuBLAS on dequantized rows."""
+    tile = lambda bm, bn, bk, w, st, swap=True: dict(
+        KIND="tiles",
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        SWAP=swap,
+        num_warps=w,
+        num_stages=st,
+        PAD_M=bm == 16,
+    )
+    if m == 1:
+        return [
+            dict(KIND="tiles", GEMV=True, BN=bn, BK=bk, num_warps=w, num_stages=1)
+            for bn in (16, 32)
+            for bk in (128, 256)
+            for w in (2, 4)
+        ]
+    if m <= 16:
+        return [
+            tile(16, bn, bk, 4, st) for bn in (32, 64, 128) for bk in (128, 256) for st in (2, 4)
+        ]
+    out = [tile(64, bn, bk, 4, st) for bn in (64, 128) for bk in (64, 128) for st in (3, 4)]
+    if m > 64:
+        out += [
+            tile(128, 128, 64, 8, 3, False),
+            tile(128, 256, 64, 8, 4, False),
+            tile(128, 128, 128, 8, 3, False),
+            tile(64, 128, 128, 8, 3, False),
+        ]
+    return out + [dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True)]
+
+
+def _unique(out: list) -> list:
+    """The candidates in order, each once, and only those --variants selects."""
     uniq, seen = [], set()
     for c in out:
         if c is not None and VARIANTS and not re.search(VARIANTS, cfg_str(c)):
@@ -198,7 +242,12 @@ def variant_key(name: str, rows: int, cols: int, m: int, cfg: dict | None) -> tu
     spec = spec_of(fmt, cols)
     eff = cfg or triton_linear.linear_config(m, rows, cols, spec.bits, spec.fp8)
     if eff["KIND"] in ("cublas", "tiles"):
-        return (name, cols, eff["KIND"], m if eff["KIND"] == "tiles" else 0)
+        return (
+            name,
+            cols,
+            cfg_str(cfg) if cfg else eff["KIND"],
+            m if eff["KIND"] == "tiles" else 0,
+        )
     tile = min(m, eff["BM"]) if eff["KIND"] in ("gemv", "rows") else eff["BM"]
     return (name, cols, cfg_str(eff), tile)
 
@@ -207,7 +256,17 @@ def cfg_str(cfg: dict | None) -> str:
     if cfg is None:
         return "shipped"
     if cfg["KIND"] == "tiles":
-        return "tiles"
+        if cfg.get("MAGIC") is False:
+            return cfg_str({k: v for k, v in cfg.items() if k != "MAGIC"}) + " i2f"
+        if "BN" not in cfg:
+            return "tiles"
+        if cfg.get("GEMV"):
+            return f"tiles gemv BN{cfg['BN']} BK{cfg['BK']} w{cfg['num_warps']}"
+        swap = "" if cfg.get("SWAP", True) else "noswap "
+        return (
+            f"tiles {swap}BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} w{cfg['num_warps']}"
+            f" s{cfg['num_stages']}"
+        )
     if cfg["KIND"] == "cublas":
         return f"cublas {cfg['CHUNK_BYTES'] >> 20}MB{' overlap' if cfg.get('OVERLAP') else ''}"
     bm = f"BM{cfg['BM']} " if cfg["KIND"] in ("rows", "wdot") else ""

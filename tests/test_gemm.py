@@ -111,14 +111,15 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
         (200, 8, False, "wdot", 256, True),
         (256, 4, False, "wdot", 256, True),
         (256, 8, True, "wdot", 256, False),
-        (256, 6, False, "cublas", None, None),
+        (256, 6, False, "tiles", None, None),
+        (256, 5, False, "tiles", None, None),
         (257, 8, False, "cublas", None, None),
     ],
 )
 def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm, swap):
     """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
-    the left up to 128; W on the left above, int8 and int4); int5/int6 and larger M take the
-    cuBLAS chunks (docs/BENCHMARKS.md)."""
+    the left up to 128; W on the left above, int8 and int4); int5/int6 the generic tiles on
+    their two planes; larger M takes the cuBLAS chunks (docs/BENCHMARKS.md)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     cfg = linear_config(m, 262144, 2560, bits, fp8)
@@ -401,10 +402,12 @@ def test_the_dispatch_table_in_the_docs_is_the_code():
 
 
 def test_every_format_and_m_has_a_route():
-    """The dispatch answers every M with a known kernel; M = 1 always takes the word kernel."""
+    """The dispatch answers every M with a known kernel; M = 1 takes the word kernel, or for
+    the two-plane widths (5, 6 bits), which the word kernels do not read, the generic tiles."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     for bits, fp8 in ((4, False), (5, False), (6, False), (8, False), (8, True)):
-        assert linear_config(1, 1000, 2560, bits, fp8)["KIND"] == "gemv"
+        one_row = "tiles" if bits in (5, 6) else "gemv"
+        assert linear_config(1, 1000, 2560, bits, fp8)["KIND"] == one_row
         for m in (2, 16, 17, 64, 65, 128, 129, 200, 256, 257, 4096):
             assert linear_config(m, 1000, 2560, bits, fp8)["KIND"] in ("wdot", "tiles", "cublas")

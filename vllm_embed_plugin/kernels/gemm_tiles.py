@@ -301,7 +301,7 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     """Kernel and tile shapes, from sweeps on an H200 (table 262144 x 2560,
     bench/bench_kernels.py --sweep gemm). One row of x: the CUDA-core GEMV. 2..16 rows: the
     transposed tensor-core tile with x padded to 16 rows (Triton 3.6 compiled M=4 to a
-    kernel 2-3x slower than M=16). Formats read through strided units (6, 5, 3 bits...)
+    kernel 2-3x slower than M=16). Formats read through strided units (3, 7 bits...)
     keep the transposed tile at every M: Triton 3.6 fails to compile them in the big one."""
     if m == 1:
         if bits == 8:
@@ -310,7 +310,7 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     if m <= 16:
         return dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=2 if bits == 8 else 4,
                     PAD_M=True)
-    if m <= 64 or bits not in (4, 8):
+    if m <= 64 or bits not in (4, 5, 6, 8):
         return dict(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
     if bits == 8:
         return dict(BM=128, BN=256, BK=64, SWAP=False, num_warps=8, num_stages=4)
@@ -362,9 +362,9 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
         group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and bk % spec.group == 0)
         return cfg.get("FAST", True) and even and _split_in_registers(spec) and group_ok
 
-    if not fast_path(cfg["BK"]) and per_chunk > 1 and not cfg["SWAP"]:
-        # Triton 3.6 fails to compile strided-unit tiles as the right-hand operand: use the
-        # transposed tile (dequantized weights on the left) at any M.
+    if not fast_path(cfg["BK"]) and (per_chunk > 1 or spec.high) and not cfg["SWAP"]:
+        # Triton 3.6 fails to compile strided-unit tiles as the right-hand operand (two-plane
+        # chunks not tried there): use the transposed tile (weights on the left) at any M.
         cfg.update(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     nkc = bk // 8

@@ -5,9 +5,8 @@ layout. Which kernel runs is a per-call choice on M (`linear_config`, from a swe
 docs/BENCHMARKS.md):
 
 - "gemv", M = 1: the word kernel on CUDA cores (`gemm_words._words_kernel`, MMA off). Codes are read as
-  32-bit words, a block of U words holding P values (int8 1/4, int4 1/8, int6 3/16, int5 5/32,
-  fp8 1/4); value J of each block is cut out with compile-time shifts and turned into a float
-  by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
+  32-bit words, a block of U words holding P values (int8 1/4, int4 1/8, fp8 1/4); value J
+  of each block is cut out with compile-time shifts and turned into a float by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
   block's scale (and minimum times the block's sum of x) is applied once per block. 4-bit
   codes skip the subtraction: OR-ed into the mantissa of 2^4, their constant offset times the
@@ -24,10 +23,11 @@ docs/BENCHMARKS.md):
   for all of them; what "gemv" runs for M > 1). Slower than "tiles"/"wdot" at every M it was
   timed at (docs/BENCHMARKS.md), so the heuristic does not pick it.
 - "mma": the word tiles on tensor cores with one dot per piece (the previous int5 choice).
-- "tiles": the generic tile kernels (`gemm_tiles`): 8- and 4-bit codes
-  split in registers, other widths through the lookup's chunk unpacker; tensor cores on the
+- "tiles": the generic tile kernels (`gemm_tiles`): 8-, 6-, 5- and 4-bit codes
+  split in registers (5 and 6 bits from two planes: low nibbles as 4-bit codes, then the
+  high bits), other widths through the lookup's chunk unpacker; tensor cores on the
   transposed product for small M, classic tiles for larger M.
-- "cublas", large M (compute-bound; int5 and int6 from M = 65): dequantize CHUNK_BYTES of rows
+- "cublas", large M (compute-bound; every format above M = 256): dequantize CHUNK_BYTES of rows
   at a time (the lookup's arithmetic) into a scratch buffer, multiply it with cuBLAS into the
   output's columns; OVERLAP dequantizes the next chunk on a side stream (two buffers). The
   scratch is bounded (96 MiB, twice that with OVERLAP) and freed after the call.
@@ -66,6 +66,7 @@ class Route:
 
 
 def _gemv(bn: int, xperm: bool) -> dict:
+    """The word GEMV (`gemm_words`): BN rows of W a program."""
     return dict(KIND="gemv", BM=1, BN=bn, num_warps=4, num_stages=1, XPERM=xperm)
 
 
@@ -83,7 +84,17 @@ ROUTES = (
     Route(1, ("int8",), _gemv(32, True), "as int4, on rows of 4096+", min_cols=4096, tile=512),
     Route(1, ("int8", "fp8"), _gemv(16, True), "16 rows a program, x permuted", tile=256),
     Route(
-        1, ("int5", "int6"), _gemv(16, False), "8-16 pieces read x from L1 faster as is", tile=256
+        1,
+        ("int5", "int6"),
+        dict(KIND="tiles", GEMV=True, BN=32, BK=128, num_warps=4, num_stages=1),
+        "two planes split in registers (H100): 0.66-0.69x against 0.68-0.99x for the word GEMV",
+    ),
+    Route(
+        256,
+        ("int5", "int6"),
+        TILES,
+        "two planes (H100): M = 4..64 0.75-1.00x against 1.14-1.98x for the word tiles; M = 256 "
+        "2.03-2.34x against 2.37-2.50x for cuBLAS",
     ),
     Route(
         16,
@@ -94,33 +105,18 @@ ROUTES = (
     ),
     Route(
         16,
-        ("int5",),
-        _wdot(16, 128, 4, 1),
-        "1.68-1.76x against 1.81-2.07x for one dot per piece",
-        tile=128,
-    ),
-    Route(
-        16,
         ("int8",),
         _wdot(16, 64, 4, 3, GPOST=True),
         "group scale after the dot: 0.70x against 0.78-0.83x for 'tiles'",
         tile=128,
     ),
-    Route(
-        16,
-        ("int4", "int6"),
-        TILES,
-        "the generic tiles: int4 0.67-0.70x, int6 1.66-1.71x (262144 x 2560)",
-    ),
+    Route(16, ("int4",), TILES, "the generic tiles: int4 0.67-0.70x (262144 x 2560)"),
     Route(
         64,
         ("int8",),
         _wdot(64, 128, 4, 1, SWAP=False),
         "x on the left, one stage: 0.96-1.00x against 1.01-1.23x (3 stages)",
         tile=128,
-    ),
-    Route(
-        64, ("int5", "int6"), _wdot(64, 64, 4, 1), "2.0-2.9x against 2.9-3.1x for cuBLAS", tile=128
     ),
     Route(64, ("int4", "fp8"), TILES, "the generic tiles: int4 0.97x, fp8 0.92x at M = 64"),
     Route(
