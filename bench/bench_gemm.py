@@ -94,7 +94,9 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     )
     tiles = dict(KIND="tiles")  # the generic kernels (chunk unpack, tensor-core tiles)
     if bits in (5, 6):  # two planes: the word kernels do not read them
-        return _unique(out + [tiles, dict(tiles, MAGIC=False)] + planes_candidates(m))
+        # FAST off: the lookup's chunk decoder (a nibble word and a high field per 8 values).
+        extra = [tiles, dict(tiles, MAGIC=False), dict(tiles, FAST=False)]
+        return _unique(out + extra + planes_candidates(m))
     if WIDE and m <= 256 and (m > 1 or bits in (5, 6)):
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         grid = [(bn, cpt, 4, st) for bn in (32, 64, 128) for cpt in (128, 256) for st in (3, 4)]
@@ -258,6 +260,8 @@ def cfg_str(cfg: dict | None) -> str:
     if cfg["KIND"] == "tiles":
         if cfg.get("MAGIC") is False:
             return cfg_str({k: v for k, v in cfg.items() if k != "MAGIC"}) + " i2f"
+        if cfg.get("FAST") is False:
+            return cfg_str({k: v for k, v in cfg.items() if k != "FAST"}) + " chunks"
         if "BN" not in cfg:
             return "tiles"
         if cfg.get("GEMV"):
