@@ -111,15 +111,16 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
         (200, 8, False, "wdot", 256, True),
         (256, 4, False, "wdot", 256, True),
         (256, 8, True, "wdot", 256, False),
-        (256, 6, False, "tiles", None, None),
-        (256, 5, False, "tiles", None, None),
+        (128, 6, False, "tiles", None, None),
+        (129, 5, False, "cublas", None, None),
+        (256, 6, False, "cublas", None, None),
         (257, 8, False, "cublas", None, None),
     ],
 )
 def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm, swap):
     """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
     the left up to 128; W on the left above, int8 and int4); int5/int6 the generic tiles on
-    their two planes; larger M takes the cuBLAS chunks (docs/BENCHMARKS.md)."""
+    their two planes up to 128; larger M takes the cuBLAS chunks (docs/BENCHMARKS.md)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     cfg = linear_config(m, 262144, 2560, bits, fp8)

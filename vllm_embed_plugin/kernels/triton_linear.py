@@ -87,14 +87,14 @@ ROUTES = (
         1,
         ("int5", "int6"),
         dict(KIND="tiles", GEMV=True, BN=32, BK=128, num_warps=4, num_stages=1),
-        "two planes split in registers (H100): 0.66-0.69x against 0.68-0.99x for the word GEMV",
+        "two planes split in registers: 0.93-1.02x against 0.97-1.40x for the word GEMV",
     ),
     Route(
-        256,
+        128,
         ("int5", "int6"),
         TILES,
-        "two planes (H100): M = 4..64 0.75-1.00x against 1.14-1.98x for the word tiles; M = 256 "
-        "2.03-2.34x against 2.37-2.50x for cuBLAS",
+        "two planes: M = 4..64 1.03-1.43x against 1.66-2.76x for the word tiles; M = 128 "
+        "1.71-2.08x against 2.76-2.94x for cuBLAS (which wins from 160 on)",
     ),
     Route(
         16,
