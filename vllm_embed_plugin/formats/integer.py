@@ -6,8 +6,8 @@ per byte, low nibble first. 5- and 6-bit codes are two planes, so that every rea
 aligned word: the low 4 bits of every code as 4-bit codes would be stored, then the high 1 or
 2 bits as a little-endian bit stream (`high_bits`). Other widths are a little-endian bit
 stream, eight values in `bits` bytes. Symmetric codes are two's complement, affine codes are
-unsigned. Scales and minimums
-are float16 for groups (bfloat16 for Machete's layout) and float32 for a whole-row group.
+unsigned. Scales and minimums are float16 for groups (bfloat16 for Machete's layout) and
+float32 for a whole-row group.
 
 Scale choice follows llama.cpp's quantizers: try a few candidate scales per group, round, then
 solve least squares for the scale (and minimum) that best fits those rounded codes, and keep

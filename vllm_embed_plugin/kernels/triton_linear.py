@@ -6,7 +6,8 @@ docs/BENCHMARKS.md):
 
 - "gemv", M = 1: the word kernel on CUDA cores (`gemm_words._words_kernel`, MMA off). Codes are read as
   32-bit words, a block of U words holding P values (int8 1/4, int4 1/8, fp8 1/4); value J
-  of each block is cut out with compile-time shifts and turned into a float by OR-ing it into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
+  of each block is cut out with compile-time shifts and turned into a float by OR-ing it
+  into the mantissa of 2^23 and one subtraction (no int->float unit), multiplied
   with x's matching columns (x optionally permuted so they are contiguous, XPERM), and the
   block's scale (and minimum times the block's sum of x) is applied once per block. 4-bit
   codes skip the subtraction: OR-ed into the mantissa of 2^4, their constant offset times the

@@ -6,9 +6,9 @@ eight bytes for fp8 -- the unit the storage layout repeats in. Each chunk is loa
 word per chunk, 4-bit one 4-byte word, 3- and 7-bit single bytes), glued into one word, and
 split into its eight values with compile-time shifts. 5- and 6-bit rows are two planes
 (`formats.integer.high_bits`): a chunk is one 4-byte word of low nibbles and a 1- or 2-byte
-field of high bits, each read whole. The
-eight pieces are interleaved back into column order with `tl.join`, so a thread ends up
-holding contiguous columns and writes them with wide stores.
+field of high bits, each read whole. The eight pieces are interleaved back into column order
+with `tl.join`, so a thread ends up holding contiguous columns and writes them with wide
+stores.
 
 Everything that varies between formats -- bits, group size (or one scale per row), signed or
 affine, fp8, the scale and output dtypes -- is a compile-time constant, so every format gets
