@@ -95,7 +95,7 @@ ROUTES = (
         ("int5", "int6"),
         TILES,
         "two planes: M = 4..64 1.03-1.43x against 1.66-2.76x for the word tiles; M = 128 "
-        "1.71-2.08x against 2.76-2.94x for cuBLAS (which wins from 160 on)",
+        "1.71-2.12x against 2.76-2.94x for cuBLAS (which wins from 160 on)",
     ),
     Route(
         16,
