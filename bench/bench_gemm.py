@@ -36,6 +36,7 @@ from timing import (  # noqa: E402
 )
 
 from vllm_embed_plugin.formats import FORMATS  # noqa: E402
+from vllm_embed_plugin.formats.integer import high_bits  # noqa: E402
 from vllm_embed_plugin.kernels import triton_linear  # noqa: E402
 from vllm_embed_plugin.kernels.triton_lookup import spec_of  # noqa: E402
 
@@ -93,11 +94,11 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         XPERM=True,
     )
     tiles = dict(KIND="tiles")  # the generic kernels (chunk unpack, tensor-core tiles)
-    if bits in (5, 6):  # two planes: the word kernels do not read them
+    if high_bits(bits):  # two planes: the word kernels do not read them
         # FAST off: the lookup's chunk decoder (a nibble word and a high field per 8 values).
         extra = [tiles, dict(tiles, MAGIC=False), dict(tiles, FAST=False)]
         return _unique(out + extra + planes_candidates(m))
-    if WIDE and m <= 256 and (m > 1 or bits in (5, 6)):
+    if WIDE and 1 < m <= 256:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         grid = [(bn, cpt, 4, st) for bn in (32, 64, 128) for cpt in (128, 256) for st in (3, 4)]
         grid += [(128, cpt, 8, 3) for cpt in (128, 256)]
@@ -124,10 +125,8 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         ]
         if m == 2:
             out += [rows(2, 32, 256)]
-        if bits == 5:
-            out += [mma(16, 64 if m <= 4 else 128, 128, 4)]
-        if bits in (4, 6, 8):  # one dot per piece of 16 blocks, x permuted
-            out += [mma(16, 64, 16 * p, 4), mma(16, 128, 16 * p, 4)]
+        # one dot per piece of 16 blocks, x permuted
+        out += [mma(16, 64, 16 * p, 4), mma(16, 128, 16 * p, 4)]
     elif m <= 64:
         out += [
             tiles,
@@ -139,8 +138,6 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(wdot(64, 128, 128, 4, 3), GPOST=True),
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),
         ]
-        if bits in (5, 6):
-            out += [mma(64, 64, 16 * p, 4)]
     elif m <= 256:
         out += [
             tiles,
@@ -148,26 +145,21 @@ def candidates(m: int, bits: int) -> list[dict | None]:
             dict(wdot(128, 128, 64, 8, 3), SWAP=False),
             dict(KIND="cublas", CHUNK_BYTES=96 << 20, OVERLAP=True),
         ]
-        # x on the left; 256 rows: each weight decoded once. Triton 3.6 fails to compile some
-        # of these for int5/int6 (precompile skips what fails), so they also try W on the left.
-        if bits in (4, 5, 6, 8):
-            out += [
-                dict(wdot(128, 256, 64, 8, 3), SWAP=False),
-                dict(wdot(128, 128, 32, 8, 4), SWAP=False),
-                dict(wdot(256, 64, 64, 8, 3), SWAP=False),
-                dict(wdot(256, 64, 64, 8, 4), SWAP=False),
-                dict(wdot(256, 64, 128, 8, 3), SWAP=False),
-                dict(wdot(256, 32, 64, 4, 3), SWAP=False),
-                dict(wdot(256, 64, 64, 4, 3), SWAP=False),
-                dict(wdot(256, 128, 64, 8, 3), SWAP=False),
-            ]
+        # x on the left; 256 rows: each weight decoded once.
+        out += [
+            dict(wdot(128, 256, 64, 8, 3), SWAP=False),
+            dict(wdot(128, 128, 32, 8, 4), SWAP=False),
+            dict(wdot(256, 64, 64, 8, 3), SWAP=False),
+            dict(wdot(256, 64, 64, 8, 4), SWAP=False),
+            dict(wdot(256, 64, 128, 8, 3), SWAP=False),
+            dict(wdot(256, 32, 64, 4, 3), SWAP=False),
+            dict(wdot(256, 64, 64, 4, 3), SWAP=False),
+            dict(wdot(256, 128, 64, 8, 3), SWAP=False),
+        ]
         # W on the left with every row of x in one tile: the decoded weights stay in registers
         # as the first operand of Hopper's wgmma, which can then overlap the next tile's decode.
-        if bits in (4, 8):
-            out += [wdot(256, 128, 64, 8, st) for st in (2, 3, 4)]
-            out += [wdot(256, 64, 64, 4, 3), wdot(128, 128, 64, 8, 3)]
-        if bits in (5, 6):
-            out += [wdot(256, 64, 64, 8, 1), wdot(256, 64, 128, 8, 1)]
+        out += [wdot(256, 128, 64, 8, st) for st in (2, 3, 4)]
+        out += [wdot(256, 64, 64, 4, 3), wdot(128, 128, 64, 8, 3)]
     else:
         out += [
             dict(KIND="cublas", CHUNK_BYTES=96 << 20),

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..formats import PackedRows, TableFormat
+from ..formats.integer import high_bits
 from .triton_lookup import dequant_chunks, planes_of
 
 
@@ -310,7 +311,7 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     if m <= 16:
         return dict(BM=16, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=2 if bits == 8 else 4,
                     PAD_M=True)
-    if m <= 64 or bits not in (4, 5, 6, 8):
+    if m <= 64 or (bits not in (4, 8) and not high_bits(bits)):
         return dict(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
     if bits == 8:
         return dict(BM=128, BN=256, BK=64, SWAP=False, num_warps=8, num_stages=4)
