@@ -1,10 +1,11 @@
-"""What a word-tile kernel ('wdot') compiles to on Hopper, without a GPU: Triton compiles it
-for sm_90 on the CPU and nvdisasm (shipped with Triton) lists the SASS. Prints the instruction
+"""What a word-tile kernel ('wdot') or a generic tile kernel ('tiles', `--kernel tiles`)
+compiles to on Hopper, without a GPU: Triton compiles it for sm_90 on the CPU and nvdisasm (shipped with Triton) lists the SASS. Prints the instruction
 mix of the main loop, register spills, the wgmma shape, and whether each wgmma is waited for
 before the next tile is decoded (`wait 0`) or overlaps it (`wait 1`).
 
     python bench/kernel_sass.py --bits 8 --bm 256 --bn 64 --cpt 64 --warps 8 --stages 3 --noswap
     python bench/kernel_sass.py --bits 8 --bm 256 --bn 128 --cpt 64 --warps 8 --stages 3
+    python bench/kernel_sass.py --kernel tiles --bits 6 --group 64 --bm 16 --bn 64 --cpt 128 --warps 4 --stages 4
 
 Integer arguments and pointers are specialised as a real launch on the benchmark tables
 specialises them (divisible by 16): without that, Triton cannot vectorise x's loads. A proxy
@@ -27,16 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: The pointers' element types as on the benchmark tables (x and logits BF16, FP16 scales);
 #: every other runtime argument is an int32 size or stride.
 POINTERS = dict(
-    x_ptr="*bf16", words_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*bf16"
+    x_ptr="*bf16",
+    words_ptr="*i32",
+    scales_ptr="*fp16",
+    mins_ptr="*fp16",
+    out_ptr="*bf16",
+    codes8_ptr="*u8",
 )
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_wdot(a):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def wdot_kernel(a):
     from vllm_embed_plugin.kernels import gemm_words
     from vllm_embed_plugin.kernels.gemm_words import block_shape
 
@@ -44,9 +46,33 @@ def compile_wdot(a):
     consts = dict(BM=a.bm, BN=a.bn, T=max(1, a.cpt // p), BITS=a.bits, U=u, P=p, GROUP=a.group,
                   SIGNED=True, FP8=False, HAS_MIN=False, SPLIT=False, EVEN=True, SB=False,
                   SWAP=not a.noswap, GPOST=a.gpost, PACK=a.pack, PTX=True)  # fmt: skip
-    kernel_fn = gemm_words._wdot_kernel
+    return gemm_words._wdot_kernel, consts, {}
+
+
+def tiles_kernel(a):
+    """The generic tiles' FAST path as `linear_tiles` launches it on a table of `--bits`."""
+    from vllm_embed_plugin.formats.integer import high_bits
+    from vllm_embed_plugin.kernels import gemm_tiles
+
+    high = high_bits(a.bits)
+    consts = dict(BM=a.bm, BN=a.bn, NKC=a.cpt // 8, SWAP=not a.noswap, SPLIT=False,
+                  POST_SCALE=a.group == 0, FAST=True, BITS=a.bits, HIGH=high, U=1, UNIT_BITS=32,
+                  HU=1, GROUP=a.group, SIGNED=not a.affine, FP8=False, HAS_MIN=a.affine,
+                  EVEN_K=True, MAGIC=True, PTX=True)  # fmt: skip
+    consts.update(a.const)
+    pointers = dict(units_ptr="*i32", high_ptr={0: "*i32", 1: "*u8", 2: "*i16"}[high])
+    return gemm_tiles._linear_kernel, consts, pointers
+
+
+def compile_kernel(a):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel_fn, consts, pointers = (tiles_kernel if a.kernel == "tiles" else wdot_kernel)(a)
+    pointers = POINTERS | pointers
     runtime = [p.name for p in kernel_fn.params if not p.is_constexpr]  # in the kernel's order
-    signature = {n: POINTERS.get(n, "i32") for n in runtime} | {k: "constexpr" for k in consts}
+    signature = {n: pointers.get(n, "i32") for n in runtime} | {k: "constexpr" for k in consts}
     # scale_stride is 1 for per-row scales: the only argument left unspecialised.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(runtime) if n != "scale_stride"}
     src = ASTSource(kernel_fn, signature, consts, attrs)
@@ -75,6 +101,7 @@ def main_loop(lines: list[str]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--kernel", choices=("wdot", "tiles"), default="wdot")
     ap.add_argument("--bits", type=int, default=8, help="4, 5, 6 or 8")
     ap.add_argument("--group", type=int, default=0, help="group size (0: one scale per row)")
     ap.add_argument("--bm", type=int, default=256, help="rows of x per tile")
@@ -85,8 +112,16 @@ def main() -> int:
     ap.add_argument("--noswap", action="store_true", help="x on the left (SWAP=False)")
     ap.add_argument("--gpost", action="store_true", help="one dot per group, scaled after")
     ap.add_argument("--pack", action="store_true", help="4-bit levels two per instruction")
+    ap.add_argument("--affine", action="store_true", help="tiles: unsigned codes with minimums")
+    ap.add_argument(
+        "--const",
+        type=lambda s: (s.split("=")[0], int(s.split("=")[1])),
+        action="append",
+        default=[],
+        help="tiles: override a constexpr, NAME=int",
+    )
     a = ap.parse_args()
-    lines = compile_wdot(a).splitlines()
+    lines = compile_kernel(a).splitlines()
     loop = main_loop(lines)
     mix = collections.Counter(m.group(1) for line in loop if (m := OPCODE.search(line)))
     total = sum(1 for line in lines if OPCODE.search(line))
