@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..formats import PackedRows
 from .gemm_tiles import num_sms
+from .nibbles import NIBBLES_BF16, NIBBLES_BF16_SIGNED, NIBBLES_FP16, NIBBLES_FP16_SIGNED
 
 
 @triton.jit
@@ -386,43 +387,10 @@ def _wtile(w0, w1, w2, w3, w4, w5, w6, BITS: tl.constexpr, SIGNED: tl.constexpr,
     return tl.reshape(v, [v.shape[0], v.shape[1] * P])
 
 
-def _nibble_asm(dt: str, signed: bool) -> str:
-    """PTX for `_nibble_levels`: the word's 8 codes as 4 pairs of 16-bit floats, nibble J in
-    the low half and J + 4 in the high half (one shift and one LOP3 per pair: mask, sign flip
-    and exponent of 2^7 (bf16) or 2^10 (fp16) at once, so the pair is 2^E + code), then one
-    packed fma subtracts 2^E (+ 8 for two's complement codes, whose flipped sign bit makes
-    them code + 8): exact small integers, two per instruction. sm_80 and newer."""
-    base = {"bf16": 0x4300, "fp16": 0x6400}[dt]  # 2^7 / 2^10: the code's bits are the units
-    one = {"bf16": 0x3F80, "fp16": 0x3C00}[dt]
-    flip = 8 if signed else 0
-    # -(2^E + flip) in dt: the mantissa's units are 1, so the flip adds to its low bits.
-    offset = (base | flip) | 0x8000
-
-    def two(h: int) -> str:
-        return f"0x{h:04X}{h:04X}"
-
-    lines = [f"mov.b32 one, {two(one)};", f"mov.b32 off, {two(offset)};"]
-    for j in range(4):
-        src = "$8"
-        if j:
-            lines.append(f"shr.u32 t, $8, {4 * j};")
-            src = "t"
-        lines.append(f"lop3.b32 p{j}, {src}, 0x000F000F, {two(base | flip)}, 0x6A;")  # (a & b) ^ c
-        lines.append(f"fma.rn.{dict(bf16='bf16', fp16='f16')[dt]}x2 p{j}, p{j}, one, off;")
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, p{j};")
-    return "{\n.reg .b32 t, one, off, p0, p1, p2, p3;\n" + "\n".join(lines) + "\n}"
-
-
-_NIBBLES_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True))
-_NIBBLES_BF16 = tl.constexpr(_nibble_asm("bf16", False))
-_NIBBLES_FP16_SIGNED = tl.constexpr(_nibble_asm("fp16", True))
-_NIBBLES_FP16 = tl.constexpr(_nibble_asm("fp16", False))
-
-
 @triton.jit
 def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
     """The 8 levels of every word of 4-bit codes [BN, W] (W a multiple of 4) as a [BN, W * 8]
-    tile of DT (bf16 or fp16), exact. PTX: two levels per packed instruction (`_nibble_asm`);
+    tile of DT (bf16 or fp16), exact. PTX: two levels per packed instruction (`nibbles.nibble_asm`);
     else plain operations (Triton's CPU interpreter runs no PTX). The columns are in the
     order of wgmma's A operand, so the decoded pairs go to the dot without a trip through
     shared memory: within every 4 words, column 8m + 2q + b holds nibble m + 4b of word q
@@ -438,11 +406,11 @@ def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr)
         p6 = _level(w, w, w, w, w, w, w, 6, 4, SIGNED, False, False).to(DT)
         p7 = _level(w, w, w, w, w, w, w, 7, 4, SIGNED, False, False).to(DT)
     elif DT == tl.bfloat16:
-        asm: tl.constexpr = _NIBBLES_BF16_SIGNED if SIGNED else _NIBBLES_BF16
+        asm: tl.constexpr = NIBBLES_BF16_SIGNED if SIGNED else NIBBLES_BF16
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             asm, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        asm: tl.constexpr = _NIBBLES_FP16_SIGNED if SIGNED else _NIBBLES_FP16
+        asm: tl.constexpr = NIBBLES_FP16_SIGNED if SIGNED else NIBBLES_FP16
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             asm, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
     # Element (b, i, j) of [BN, W, 2, 2, 2] is nibble m + 4b with m = 2i + j; split the words
