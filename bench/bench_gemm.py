@@ -176,6 +176,8 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]
     if tiles in out:  # levels through the int->float unit, as before the magic-number trick
         out.append(dict(tiles, MAGIC=False))
+    if bits == 4 and m <= 256:  # 4-bit codes as words, levels and scales two per instruction
+        out.append(dict(tiles, WORDS=True))
     return _unique(out)
 
 
@@ -254,6 +256,8 @@ def cfg_str(cfg: dict | None) -> str:
             return cfg_str({k: v for k, v in cfg.items() if k != "MAGIC"}) + " i2f"
         if cfg.get("FAST") is False:
             return cfg_str({k: v for k, v in cfg.items() if k != "FAST"}) + " chunks"
+        if cfg.get("WORDS"):
+            return cfg_str({k: v for k, v in cfg.items() if k != "WORDS"}) + " words"
         if "BN" not in cfg:
             return "tiles"
         if cfg.get("GEMV"):

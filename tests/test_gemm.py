@@ -164,6 +164,53 @@ PACKED_CHECK = textwrap.dedent(
 )
 
 
+WORDS_CHECK = textwrap.dedent(
+    """
+    import torch
+    from vllm_embed_plugin.convert import quantize_table
+    from vllm_embed_plugin.formats import FORMATS, IntFormat
+    from vllm_embed_plugin.kernels import triton_linear
+
+    torch.manual_seed(0)
+    formats = [FORMATS["int4"], IntFormat("g64", 4, 64), IntFormat("row", 4, None),
+               IntFormat("affine", 4, 32, symmetric=False)]  # the last: words do not apply
+    for cols in (256, 104):  # 104: no whole tile, the chunk path
+        w = torch.randn(40, cols) * 0.02
+        for fmt in formats:
+            t = quantize_table(w, fmt)
+            wd = fmt.dequantize(t, cols, torch.float32)
+            for m in (1, 3, 20, 100):  # the GEMV, a padded tile, the small and the large tile
+                x = torch.randn(m, cols).half()
+                ref = x.float() @ wd.T
+                plain = triton_linear.linear(fmt, t, x, cols, config=dict(KIND="tiles"))
+                out = triton_linear.linear(fmt, t, x, cols, config=dict(KIND="tiles", WORDS=True))
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert out.shape == (m, 40) and err < 2e-3, (fmt.name, cols, m, err)
+                assert ((out.float() - plain.float()).norm() / ref.norm()).item() < 2e-3
+    print("ok")
+    """
+)
+
+
+@pytest.mark.interpreter
+def test_word_tiles_in_interpreter():
+    """The generic tiles reading 4-bit codes as words (`WORDS`), with the plain decode in place
+    of the PTX: right against float32 and level with the byte tiles, x's columns reordered as
+    the tile's (`word_order`); it fails (relative error near 1) if the two orders part."""
+    run_in_interpreter(WORDS_CHECK, timeout=600)
+
+
+def test_word_order_puts_each_pair_side_by_side():
+    """`word_order`: within every 8 columns, x's column j + 4 b at 2 j + b; zero rows pad."""
+    from vllm_embed_plugin.kernels.gemm_tiles import word_order
+
+    x = torch.arange(32.0).reshape(2, 16)
+    out = word_order(x, True, 3)
+    want = [8 * w + j + 4 * b for w in range(2) for j in range(4) for b in range(2)]
+    assert out[0].tolist() == want and out[1].tolist() == [16 + c for c in want]
+    assert out[2].eq(0).all() and word_order(x, False, 2) is x
+
+
 @pytest.mark.interpreter
 def test_packed_nibble_tiles_in_interpreter():
     """PACK's tile and x in wgmma's column order, with the plain decode in place of the PTX: right
@@ -197,8 +244,9 @@ def test_pack_leaves_groups_of_2_words_to_the_generic_kernels():
     assert linear_words(spec, table, words_of(table, spec, 256), x, 256, out, cfg) is None
 
 
-def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
-    """The instructions `_nibble_asm` emits, executed on one word: its 8 outputs."""
+def _run_nibble_ptx(ptx: str, word: int, *operands: int) -> list[float]:
+    """The instructions `nibble_asm` emits, executed on one word (and the packed operands $9,
+    $10 of its scaled form): its 8 outputs."""
     dt = torch.bfloat16 if ".bf16x2" in ptx else torch.float16
 
     def half(bits: int) -> float:
@@ -207,7 +255,7 @@ def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
     def bits_of(v: float) -> int:
         return torch.tensor([v]).to(dt).view(torch.int16).item() & 0xFFFF
 
-    regs, outs = {"$8": word}, {}
+    regs, outs = {"$8": word, **{f"${9 + i}": v for i, v in enumerate(operands)}}, {}
     body = ptx.strip().removeprefix("{").removesuffix("}")
     for line in filter(None, (x.strip() for x in body.split(";"))):
         op, rest = line.split(" ", 1)
@@ -244,9 +292,9 @@ def _run_nibble_ptx(ptx: str, word: int) -> list[float]:
 def test_packed_nibble_decode_gives_every_level(dt, signed):
     """The PTX that decodes 4-bit codes two per instruction (run on a GPU only), executed
     instruction by instruction here: every code in every position gives its level."""
-    from vllm_embed_plugin.kernels.gemm_words import _nibble_asm
+    from vllm_embed_plugin.kernels.nibbles import nibble_asm
 
-    ptx = _nibble_asm(dt, signed)
+    ptx = nibble_asm(dt, signed)
     g = torch.Generator().manual_seed(0)
     words = [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF] + torch.randint(
         0, 2**32, (60,), generator=g, dtype=torch.int64
@@ -255,6 +303,41 @@ def test_packed_nibble_decode_gives_every_level(dt, signed):
         codes = [(word >> (4 * j)) & 15 for j in range(8)]
         levels = [c - 16 if signed and c >= 8 else c for c in codes]
         assert _run_nibble_ptx(ptx, word) == levels, hex(word)
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_scaled_nibble_decode_rounds_as_the_reference(dt):
+    """The words tile's PTX (`nibble_asm(..., scaled=True)`), executed here: every two's
+    complement code in every position, times fp16 group scales of every magnitude (subnormal
+    to large, awkward mantissas), comes out exactly as the reference rounds level * scale
+    (float32 product, one rounding to the 16-bit dtype): bf16 through its s_hi + s_lo split."""
+    from vllm_embed_plugin.kernels.nibbles import nibble_asm
+
+    ptx = nibble_asm(dt, True, scaled=True)
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(1)
+    edges = torch.tensor([2.0**-24, 3 * 2.0**-24, 2.0**-14, 1, 1 + 2.0**-10, 1.9990234375, 6e4])
+    scales = torch.cat([edges, torch.exp(torch.randn(40, generator=g) * 4).clamp(max=6e4)])
+    scales = scales.half().float()
+    words = [0x76543210, 0x89ABCDEF, 0xFFFFFFFF, 0] + torch.randint(
+        0, 2**32, (12,), generator=g, dtype=torch.int64
+    ).tolist()
+
+    def pair(v: torch.Tensor) -> int:
+        bits = v.reshape(1).view(torch.int16).item() & 0xFFFF
+        return bits | bits << 16
+
+    for s in scales:
+        hi = s.to(torch.bfloat16)
+        ops = (
+            [pair(hi), pair((s - hi.float()).to(torch.bfloat16))]
+            if dt == "bf16"
+            else [pair(s.half())]
+        )
+        for word in words:
+            levels = torch.tensor([(c ^ 8) - 8 for c in ((word >> 4 * j) & 15 for j in range(8))])
+            want = (levels.float() * s).to(dtype).float().tolist()
+            assert _run_nibble_ptx(ptx, word, *ops) == want, (hex(word), s.item())
 
 
 @cuda
@@ -348,6 +431,34 @@ def test_gpu_packed_nibbles_are_right_and_deterministic(fmt, dtype, monkeypatch)
             out = triton_linear.linear(fmt, table, x, cols, config=cfg)
             assert out.dtype == dtype and rel_err(out, ref) < 2e-3, (m, cfg)
             assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=cfg)), (m, cfg)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "fmt",
+    [FORMATS["int4"], IntFormat("int4-g64", 4, 64), IntFormat("int4-row", 4, None)],
+    ids=lambda f: f.name,
+)
+def test_gpu_word_tiles_are_right_and_deterministic(fmt, dtype):
+    """The generic tiles with WORDS (4-bit codes as words, levels and scales two per packed
+    instruction): right against float32 at every M each tile shape serves, in both 16-bit
+    dtypes, the same bits every call, and level with the byte tiles."""
+    from vllm_embed_plugin.kernels import triton_linear
+
+    rows, cols = 3000, 2560
+    g = torch.Generator().manual_seed(4)
+    table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
+    wd = fmt.dequantize(table, cols, torch.float32)
+    words, plain = dict(KIND="tiles", WORDS=True), dict(KIND="tiles")
+    for m in (1, 2, 5, 16, 17, 40, 64, 65, 128, 200):
+        x = torch.randn(m, cols, device="cuda").to(dtype)
+        ref = x.float() @ wd.T
+        out = triton_linear.linear(fmt, table, x, cols, config=words)
+        assert out.dtype == dtype and rel_err(out, ref) < 2e-3, m
+        assert rel_err(out, triton_linear.linear(fmt, table, x, cols, config=plain)) < 2e-3, m
+        for _ in range(3):
+            assert torch.equal(out, triton_linear.linear(fmt, table, x, cols, config=words)), m
 
 
 @cuda

@@ -14,6 +14,12 @@ import triton.language as tl
 
 from ..formats import PackedRows, TableFormat
 from ..formats.integer import high_bits
+from .nibbles import (
+    NIBBLES_BF16_SIGNED,
+    NIBBLES_FP16_SIGNED,
+    SCALED_NIBBLES_BF16,
+    SCALED_NIBBLES_FP16,
+)
 from .triton_lookup import dequant_chunks, planes_of
 
 
@@ -48,6 +54,75 @@ def _levels(lo, hi, BITS: tl.constexpr, SIGNED: tl.constexpr, MAGIC: tl.constexp
 
 
 @triton.jit
+def _word_level(w, i: tl.constexpr, scale, SCALED: tl.constexpr):
+    """Code i of each 32-bit word of eight 4-bit codes (sign bits flipped: level + 8) as a
+    float32 level (times `scale` if SCALED): the code sits at bits SH = 4 i (i < 5; after one
+    shift by 20 bits, 4 (i - 5)), inside the mantissa of 2^23, so one LOP3 (mask, OR 2^23) and
+    one exact subtraction make it 2^SH * level; 2^-SH goes into the multiplier."""
+    SH: tl.constexpr = 4 * (i if i < 5 else i - 5)
+    if i >= 5:
+        w = w >> 20
+    f = ((w & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (8 << SH))
+    if SCALED:
+        return f * (scale * (1.0 / (1 << SH)))  # a power of two: exactly level * scale
+    return f * (1.0 / (1 << SH))
+
+
+@triton.jit
+def _pairs(h):
+    """A 16-bit float tile as 32-bit words holding it twice (a packed operand of the PTX)."""
+    b = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _word_tile(codes8_ptr, row_off8, kc, scale, BN: tl.constexpr, NKC: tl.constexpr,
+               GROUP: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
+    """[BN, NKC * 8] tile in DT of two's complement 4-bit codes read as 32-bit words (a chunk
+    of 8 codes each), levels times `scale` ([BN, NG, 1], NG groups in the tile) if SCALED,
+    rounded once as the reference rounds. PTX: two codes per packed instruction
+    (`nibbles.nibble_asm`: three to five instructions a pair, its shift included);
+    else (the interpreter, or float32 for the GEMV) `_word_level`."""
+    words = codes8_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(words + row_off8 // 4 + (kc + tl.arange(0, NKC))[None, :])
+    if GROUP:
+        w = tl.reshape(w, [BN, NKC * 8 // GROUP, GROUP // 8])
+    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
+    if not PTX:
+        w = w ^ -0x77777778  # 0x88888888: every sign bit flipped, each code is level + 8
+        p0 = _word_level(w, 0, scale, SCALED).to(DT)
+        p1 = _word_level(w, 1, scale, SCALED).to(DT)
+        p2 = _word_level(w, 2, scale, SCALED).to(DT)
+        p3 = _word_level(w, 3, scale, SCALED).to(DT)
+        p4 = _word_level(w, 4, scale, SCALED).to(DT)
+        p5 = _word_level(w, 5, scale, SCALED).to(DT)
+        p6 = _word_level(w, 6, scale, SCALED).to(DT)
+        p7 = _word_level(w, 7, scale, SCALED).to(DT)
+    elif DT == tl.bfloat16:
+        if SCALED:
+            hi = scale.to(tl.bfloat16)
+            lo = (scale - hi.to(tl.float32)).to(tl.bfloat16)
+            args = [w, tl.broadcast_to(_pairs(hi), w.shape), tl.broadcast_to(_pairs(lo), w.shape)]
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                SCALED_NIBBLES_BF16, C + ",r,r", args, (tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                NIBBLES_BF16_SIGNED, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        if SCALED:
+            args = [w, tl.broadcast_to(_pairs(scale.to(tl.float16)), w.shape)]
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                SCALED_NIBBLES_FP16, C + ",r", args, (tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                NIBBLES_FP16_SIGNED, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
+    # Element [.., i, j, b] of the joins is code 2 i + j + 4 b, at column 4 i + 2 j + b: each
+    # pair the PTX made stays one register (x's columns in this order: `word_order`).
+    v = tl.join(tl.join(tl.join(p0, p2), tl.join(p1, p3)), tl.join(tl.join(p4, p6), tl.join(p5, p7)))
+    return tl.reshape(v, [BN, NKC * 8])
+
+
+@triton.jit
 def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc, cmask,
                  scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow,
                  BN: tl.constexpr, NKC: tl.constexpr, FAST: tl.constexpr,
@@ -55,7 +130,7 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                  HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr,
-                 MAGIC: tl.constexpr):
+                 MAGIC: tl.constexpr, WORDS: tl.constexpr, PTX: tl.constexpr):
     """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
     value, or 4-bit codes (and the low nibbles of 5- and 6-bit codes, OR-ed with their high
     plane's bits) as bytes split into nibbles, with group scales broadcast over
@@ -88,6 +163,9 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                                   hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
             else:
                 v = _levels(lo, hi, BITS, SIGNED, MAGIC)
+        elif WORDS:  # `linear_tiles`: two's complement 4-bit codes only
+            v = _word_tile(codes8_ptr, row_off8, kc, scale, BN, NKC, GROUP, not POST_SCALE, DT,
+                           PTX and DT != tl.float32)
         else:  # 4-bit: two values per byte, low nibble first
             k = kc * 4 + tl.arange(0, BK // 2)
             raw = tl.load(codes8_ptr + row_off8 + k[None, :]).to(tl.int32)
@@ -98,7 +176,7 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                 lo = lo | ((h & ((1 << HIGH) - 1)) << 4)
                 hi = hi | ((h >> HIGH) << 4)
             v = _levels(lo, hi, BITS, SIGNED, MAGIC)
-        if POST_SCALE:
+        if POST_SCALE or WORDS:  # the words' tile comes scaled
             res = v.to(DT)
         elif GROUP == 0:
             v = v * scale
@@ -137,7 +215,8 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
                    BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                    UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                    GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
+                   HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
+                   WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -171,7 +250,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
         w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                          cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC,
                          FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN,
-                         POST_SCALE, xdt, MAGIC)
+                         POST_SCALE, xdt, MAGIC, WORDS, PTX)
         kk = kc * 8 + tl.arange(0, NKC * 8)
         if EVEN_K:
             xmask = mmask[:, None] & (kk >= 0)[None, :]
@@ -206,7 +285,8 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
                FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
+               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
+               WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
     """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
     BK: tl.constexpr = NKC * 8
     chunk = kc + tl.arange(0, NKC)
@@ -217,7 +297,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
     w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                      cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC, FAST,
                      BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE,
-                     tl.float32, MAGIC)
+                     tl.float32, MAGIC, WORDS, PTX)
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -240,7 +320,8 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                  FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
+                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
+                 WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
     rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
     reduced once at the end. No tensor cores, no shared-memory staging."""
@@ -263,13 +344,13 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                                         high_off, 0, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                         srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                         POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP,
-                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC)
+                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, PTX)
     for kc in range(NKC, nchunk, NKC):
         p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
                                     high_off, kc, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                     srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                     POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED,
-                                    FP8, HAS_MIN, EVEN_K, MAGIC)
+                                    FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, PTX)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -298,6 +379,11 @@ def _split_in_registers(spec) -> bool:
     return spec.bits in (4, 8) or spec.high > 0
 
 
+def words_tile(spec) -> bool:
+    """Formats the FAST tile can read as words (`_word_tile`): two's complement 4-bit codes."""
+    return spec.bits == 4 and spec.signed and not spec.fp8 and not spec.has_min
+
+
 def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     """Kernel and tile shapes, from sweeps on an H200 (table 262144 x 2560,
     bench/bench_kernels.py --sweep gemm). One row of x: the CUDA-core GEMV. 2..16 rows: the
@@ -318,6 +404,31 @@ def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
     return dict(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)
 
 
+def _fast(spec, cfg: dict, cols: int, bk: int) -> bool:
+    """Whether the FAST tile reads this table at BK = bk: whole tiles of codes split in
+    registers, and groups that are powers of two dividing the tile."""
+    nchunk = math.ceil(cols / 8)
+    even = nchunk % (bk // 8) == 0 and cols % 8 == 0
+    group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and bk % spec.group == 0)
+    return cfg.get("FAST", True) and even and _split_in_registers(spec) and group_ok
+
+
+def word_order(x2: torch.Tensor, words: bool, rows: int) -> torch.Tensor:
+    """x as the kernels read it, in one copy at most: padded with zero rows up to `rows`, and
+    for the words tile (`_word_tile`) its columns in the order the PTX leaves the levels in
+    registers: within every 8 columns, column j + 4 b at 2 j + b (b = 0, 1). A dot does not
+    depend on the order of its columns, so W's tile skips the reordering (a PRMT per pair)."""
+    m, cols = x2.shape
+    if not words and rows == m:
+        return x2
+    dest = x2.new_zeros((rows, cols)) if rows > m else torch.empty_like(x2)
+    if words:
+        dest[:m].view(m, cols // 8, 4, 2).copy_(x2.reshape(m, cols // 8, 2, 4).transpose(-1, -2))
+    else:
+        dest[:m] = x2
+    return dest
+
+
 def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, cols: int,
                   out: torch.Tensor, config: dict | None) -> torch.Tensor:
     """The generic tile kernels (any width, any cols): the fallback of the word kernels."""
@@ -326,63 +437,52 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
+    words = bool(cfg.get("WORDS")) and words_tile(spec) and _fast(spec, cfg, cols, cfg["BK"])
     planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
-                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True))
+                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True), PTX=x2.is_cuda, WORDS=words)
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     post = spec.group == 0 and spec.signed and not spec.fp8
-    if cfg.get("PAD_M") and m < cfg["BM"]:
-        # Same kernel as for a full tile of rows; the extra rows are zeros, sliced off.
-        padded = x2.new_zeros((cfg["BM"], cols))
-        padded[:m] = x2
-        cfg = {k: v for k, v in cfg.items() if k != "PAD_M"}
-        full = torch.empty((cfg["BM"], n), dtype=out.dtype, device=out.device)
-        linear_tiles(fmt, spec, table, padded, cols, full, cfg)
-        out.copy_(full[:m])
-        return out
-    if cfg.get("GEMV") and m <= 4 and n > 0:
+    # PAD_M: the same kernel as for a full tile of rows; the extra rows are zeros, sliced off.
+    rows = cfg["BM"] if cfg.get("PAD_M") and m < cfg["BM"] else m
+    x2 = word_order(x2, words, rows)
+    result = out
+    if rows > m:
+        out = torch.empty((rows, n), dtype=out.dtype, device=out.device)
+    nchunk = math.ceil(cols / 8)
+    if cfg.get("GEMV") and rows <= 4 and n > 0:
         nkc = cfg["BK"] // 8
-        nchunk = math.ceil(cols / 8)
-        even_k = nchunk % nkc == 0 and cols % 8 == 0
-        group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and cfg["BK"] % spec.group == 0)
-        fast = cfg.get("FAST", True) and even_k and _split_in_registers(spec) and group_ok
         _gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](
             x2, units, table.codes, high, scales, mins, out,
-            m, n, cols, nchunk, x2.stride(0), units.stride(0), table.codes.stride(0),
+            rows, n, cols, nchunk, x2.stride(0), units.stride(0), table.codes.stride(0),
             high.stride(0), high_start, scales.stride(0), out.stride(0),
-            MP=1 if m == 1 else (2 if m == 2 else 4), BN=cfg["BN"], NKC=nkc, POST_SCALE=post,
-            FAST=fast, GROUP=spec.group, SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
-            EVEN_K=even_k, **planes,
+            MP=1 if rows == 1 else (2 if rows == 2 else 4), BN=cfg["BN"], NKC=nkc,
+            POST_SCALE=post, FAST=_fast(spec, cfg, cols, cfg["BK"]), GROUP=spec.group,
+            SIGNED=spec.signed, FP8=spec.fp8, HAS_MIN=spec.has_min,
+            EVEN_K=nchunk % nkc == 0 and cols % 8 == 0, **planes,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        return out
-    nchunk = math.ceil(cols / 8)
-
-    def fast_path(bk: int) -> bool:
-        even = nchunk % (bk // 8) == 0 and cols % 8 == 0
-        group_ok = spec.group == 0 or (spec.group & (spec.group - 1) == 0 and bk % spec.group == 0)
-        return cfg.get("FAST", True) and even and _split_in_registers(spec) and group_ok
-
-    if not fast_path(cfg["BK"]) and (per_chunk > 1 or spec.high) and not cfg["SWAP"]:
+        return out if result is out else result.copy_(out[:m])
+    if not _fast(spec, cfg, cols, cfg["BK"]) and (per_chunk > 1 or spec.high) and not cfg["SWAP"]:
         # Triton 3.6 fails to compile strided-unit tiles as the right-hand operand (two-plane
         # chunks not tried there): use the transposed tile (weights on the left) at any M.
         cfg.update(BM=64, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=3)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     nkc = bk // 8
-    fast = fast_path(bk)
+    fast = _fast(spec, cfg, cols, bk)
     even_k = nchunk % nkc == 0 and cols % 8 == 0
-    grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    grid_m, grid_n = triton.cdiv(rows, bm), triton.cdiv(n, bn)
     # Split the hidden size only when the vocabulary leaves multiprocessors idle.
     split = cfg.get("SPLIT_K") or 1
     if "SPLIT_K" not in cfg and grid_m * grid_n < 2 * num_sms(x2.device):
         split = max(1, min(triton.cdiv(nchunk, nkc), (4 * num_sms(x2.device)) // (grid_m * grid_n)))
     per_split = triton.cdiv(triton.cdiv(nchunk, split), nkc) * nkc  # a multiple of nkc
     split = triton.cdiv(nchunk, per_split)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    dest = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x2.device)
     stages = cfg["num_stages"]
     _linear_kernel[(grid_m, grid_n, split)](
         x2, units, table.codes, high, scales, mins, dest,
-        m, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
+        rows, n, cols, nchunk, per_split, x2.stride(0), units.stride(0), table.codes.stride(0),
         high.stride(0), high_start, scales.stride(0), dest.stride(-2),
         dest.stride(0) if split > 1 else 0,
         BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
@@ -392,4 +492,6 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     )
     if split > 1:
         out.copy_(dest.sum(dim=0))  # a fixed order: the same bits every run
-    return out
+    if result is not out:
+        result.copy_(out[:m])
+    return result
