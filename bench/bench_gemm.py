@@ -97,7 +97,7 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     if high_bits(bits):  # two planes: the word kernels do not read them
         # FAST off: the lookup's chunk decoder (a nibble word and a high field per 8 values).
         extra = [tiles, dict(tiles, MAGIC=False), dict(tiles, FAST=False)]
-        return _unique(out + extra + planes_candidates(m))
+        return _unique(out + extra + planes_candidates(m) + words_candidates(m))
     if WIDE and 1 < m <= 256:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         grid = [(bn, cpt, 4, st) for bn in (32, 64, 128) for cpt in (128, 256) for st in (3, 4)]
@@ -176,9 +176,30 @@ def candidates(m: int, bits: int) -> list[dict | None]:
         out += [dict(wdot(*shape), GPOST=True, PACK=True) for shape in shapes]
     if tiles in out:  # levels through the int->float unit, as before the magic-number trick
         out.append(dict(tiles, MAGIC=False))
-    if bits == 4 and m <= 256:  # 4-bit codes as words, levels and scales two per instruction
-        out.append(dict(tiles, WORDS=True))
+    if bits == 4 and m <= 256:
+        out += words_candidates(m)
     return _unique(out)
+
+
+def words_candidates(m: int) -> list[dict]:
+    """The generic tiles reading codes as words (`WORDS`: levels and scales two per packed
+    instruction) in the shipped shapes, and at M = 1 the tensor-core tile of M <= 16 (x padded
+    to 16 rows), which the cheaper decode may carry past the GEMV."""
+    if m > 1:
+        return [dict(KIND="tiles", WORDS=True)]
+    return [  # the shipped M = 1 kernels are GEMVs, which read no words
+        dict(
+            KIND="tiles",
+            BM=16,
+            BN=64,
+            BK=128,
+            SWAP=True,
+            num_warps=4,
+            num_stages=4,
+            PAD_M=True,
+            WORDS=True,
+        )  # fmt: skip
+    ]
 
 
 def planes_candidates(m: int) -> list[dict]:

@@ -53,13 +53,18 @@ def tiles_kernel(a):
     """The generic tiles' FAST path as `linear_tiles` launches it on a table of `--bits`."""
     from vllm_embed_plugin.formats.integer import high_bits
     from vllm_embed_plugin.kernels import gemm_tiles
+    from vllm_embed_plugin.kernels.nibbles import nibble_asm
 
     high = high_bits(a.bits)
     consts = dict(BM=a.bm, BN=a.bn, NKC=a.cpt // 8, SWAP=not a.noswap, SPLIT=False,
-                  POST_SCALE=a.group == 0, FAST=True, BITS=a.bits, HIGH=high, U=1, UNIT_BITS=32,
-                  HU=1, GROUP=a.group, SIGNED=not a.affine, FP8=False, HAS_MIN=a.affine,
-                  EVEN_K=True, MAGIC=True, PTX=True)  # fmt: skip
+                  POST_SCALE=a.group == 0 and not a.affine, FAST=True, BITS=a.bits, HIGH=high,
+                  U=1, UNIT_BITS=32, HU=1, GROUP=a.group, SIGNED=not a.affine, FP8=False,
+                  HAS_MIN=a.affine, EVEN_K=True, MAGIC=True, WORDS=False)  # fmt: skip
     consts.update(a.const)
+    consts["ASM"] = ""
+    if consts.get("WORDS"):  # the PTX `linear_tiles` passes for BF16 x
+        scaled = not a.affine and a.group > 0
+        consts["ASM"] = nibble_asm("bf16", not a.affine, scaled=scaled, high=high)
     pointers = dict(units_ptr="*i32", high_ptr={0: "*i32", 1: "*u8", 2: "*i16"}[high])
     return gemm_tiles._linear_kernel, consts, pointers
 

@@ -173,7 +173,9 @@ WORDS_CHECK = textwrap.dedent(
 
     torch.manual_seed(0)
     formats = [FORMATS["int4"], IntFormat("g64", 4, 64), IntFormat("row", 4, None),
-               IntFormat("affine", 4, 32, symmetric=False)]  # the last: words do not apply
+               IntFormat("affine", 4, 32, symmetric=False), FORMATS["int5"], FORMATS["int6"],
+               IntFormat("int5-sym", 5, 32), IntFormat("int6-row", 6, None),
+               IntFormat("int6-affine-row", 6, None, symmetric=False)]
     for cols in (256, 104):  # 104: no whole tile, the chunk path
         w = torch.randn(40, cols) * 0.02
         for fmt in formats:
@@ -194,9 +196,11 @@ WORDS_CHECK = textwrap.dedent(
 
 @pytest.mark.interpreter
 def test_word_tiles_in_interpreter():
-    """The generic tiles reading 4-bit codes as words (`WORDS`), with the plain decode in place
-    of the PTX: right against float32 and level with the byte tiles, x's columns reordered as
-    the tile's (`word_order`); it fails (relative error near 1) if the two orders part."""
+    """The generic tiles reading codes as words (`WORDS`: 4-bit codes, and the two planes of
+    5- and 6-bit codes; symmetric, affine, per group and per row), with the plain decode in
+    place of the PTX: right against float32 and level with the byte tiles, x's columns
+    reordered as the tile's (`word_order`); it fails (relative error near 1) if the two
+    orders part."""
     run_in_interpreter(WORDS_CHECK, timeout=600)
 
 
@@ -244,9 +248,16 @@ def test_pack_leaves_groups_of_2_words_to_the_generic_kernels():
     assert linear_words(spec, table, words_of(table, spec, 256), x, 256, out, cfg) is None
 
 
-def _run_nibble_ptx(ptx: str, word: int, *operands: int) -> list[float]:
-    """The instructions `nibble_asm` emits, executed on one word (and the packed operands $9,
-    $10 of its scaled form): its 8 outputs."""
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX `prmt.b32` (default mode): byte i of the result is byte (selector >> 4 i) & 7 of
+    b:a (a's bytes 0-3, then b's)."""
+    pool = (b << 32 | a).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[(selector >> 4 * i) & 7] for i in range(4)), "little")
+
+
+def _run_nibble_ptx(ptx: str, word: int, high: int = 0, *scales: int) -> list[float]:
+    """The instructions `nibble_asm` emits, executed on one word, its chunk's high bits ($9)
+    and the scaled form's packed scale operands ($10, $11): its 8 outputs."""
     dt = torch.bfloat16 if ".bf16x2" in ptx else torch.float16
 
     def half(bits: int) -> float:
@@ -255,7 +266,7 @@ def _run_nibble_ptx(ptx: str, word: int, *operands: int) -> list[float]:
     def bits_of(v: float) -> int:
         return torch.tensor([v]).to(dt).view(torch.int16).item() & 0xFFFF
 
-    regs, outs = {"$8": word, **{f"${9 + i}": v for i, v in enumerate(operands)}}, {}
+    regs, outs = {"$8": word, "$9": high, **{f"${10 + i}": v for i, v in enumerate(scales)}}, {}
     body = ptx.strip().removeprefix("{").removesuffix("}")
     for line in filter(None, (x.strip() for x in body.split(";"))):
         op, rest = line.split(" ", 1)
@@ -272,6 +283,12 @@ def _run_nibble_ptx(ptx: str, word: int, *operands: int) -> list[float]:
             regs[d] = v[0]
         elif op == "shr.u32":
             regs[d] = v[0] >> v[1]
+        elif op == "shl.b32":
+            regs[d] = v[0] << v[1] & 0xFFFFFFFF
+        elif op == "mul.lo.u32":
+            regs[d] = v[0] * v[1] & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            regs[d] = _prmt(*v)
         elif op == "lop3.b32":
             assert v[3] == 0x6A  # (a & b) ^ c
             regs[d] = (v[0] & v[1]) ^ v[2]
@@ -287,45 +304,59 @@ def _run_nibble_ptx(ptx: str, word: int, *operands: int) -> list[float]:
     return [half(outs[f"${j}"]) for j in range(8)]
 
 
+def _codes(word: int, high: int, bits: int) -> list[int]:
+    """A chunk's 8 codes: nibble J of the word, high bits (bits - 4 of them) J of `high`."""
+    hb = bits - 4
+    return [(word >> 4 * j & 15) | (high >> hb * j & ((1 << hb) - 1)) << 4 for j in range(8)]
+
+
+def _chunks(bits: int, seed: int) -> list[tuple[int, int]]:
+    """Words and high fields that put every code in every position, and random ones."""
+    g = torch.Generator().manual_seed(seed)
+    hb = bits - 4
+    ones = (1 << 8 * hb) - 1
+    edges = [(0x76543210, 0), (0x89ABCDEF, ones), (0xFFFFFFFF, ones), (0, 0), (0xFFFFFFFF, 0)]
+    edges += [(0x76543210 ^ (0x11111111 * k), (0x55555555 * k) & ones) for k in range(16)]
+    rand = torch.randint(0, 2**32, (40, 2), generator=g, dtype=torch.int64).tolist()
+    return edges + [(w, h & ones) for w, h in rand]
+
+
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("signed", [True, False])
-def test_packed_nibble_decode_gives_every_level(dt, signed):
-    """The PTX that decodes 4-bit codes two per instruction (run on a GPU only), executed
-    instruction by instruction here: every code in every position gives its level."""
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_packed_nibble_decode_gives_every_level(dt, signed, bits):
+    """The PTX that decodes codes two per instruction (run on a GPU only), executed
+    instruction by instruction here: every 4-bit code, and every 5- and 6-bit code from its
+    two planes, in every position, gives its level."""
     from vllm_embed_plugin.kernels.nibbles import nibble_asm
 
-    ptx = nibble_asm(dt, signed)
-    g = torch.Generator().manual_seed(0)
-    words = [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF] + torch.randint(
-        0, 2**32, (60,), generator=g, dtype=torch.int64
-    ).tolist()
-    for word in words:
-        codes = [(word >> (4 * j)) & 15 for j in range(8)]
-        levels = [c - 16 if signed and c >= 8 else c for c in codes]
-        assert _run_nibble_ptx(ptx, word) == levels, hex(word)
+    ptx = nibble_asm(dt, signed, high=bits - 4)
+    half = 1 << bits - 1
+    for word, high in _chunks(bits, 0):
+        levels = [c - 2 * half if signed and c >= half else c for c in _codes(word, high, bits)]
+        assert _run_nibble_ptx(ptx, word, high) == levels, (hex(word), hex(high))
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-def test_scaled_nibble_decode_rounds_as_the_reference(dt):
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_scaled_nibble_decode_rounds_as_the_reference(dt, bits):
     """The words tile's PTX (`nibble_asm(..., scaled=True)`), executed here: every two's
     complement code in every position, times fp16 group scales of every magnitude (subnormal
     to large, awkward mantissas), comes out exactly as the reference rounds level * scale
     (float32 product, one rounding to the 16-bit dtype): bf16 through its s_hi + s_lo split."""
     from vllm_embed_plugin.kernels.nibbles import nibble_asm
 
-    ptx = nibble_asm(dt, True, scaled=True)
+    ptx = nibble_asm(dt, True, scaled=True, high=bits - 4)
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     g = torch.Generator().manual_seed(1)
     edges = torch.tensor([2.0**-24, 3 * 2.0**-24, 2.0**-14, 1, 1 + 2.0**-10, 1.9990234375, 6e4])
-    scales = torch.cat([edges, torch.exp(torch.randn(40, generator=g) * 4).clamp(max=6e4)])
+    scales = torch.cat([edges, torch.exp(torch.randn(30, generator=g) * 4).clamp(max=6e4)])
     scales = scales.half().float()
-    words = [0x76543210, 0x89ABCDEF, 0xFFFFFFFF, 0] + torch.randint(
-        0, 2**32, (12,), generator=g, dtype=torch.int64
-    ).tolist()
+    half = 1 << bits - 1
 
     def pair(v: torch.Tensor) -> int:
-        bits = v.reshape(1).view(torch.int16).item() & 0xFFFF
-        return bits | bits << 16
+        b = v.reshape(1).view(torch.int16).item() & 0xFFFF
+        return b | b << 16
 
     for s in scales:
         hi = s.to(torch.bfloat16)
@@ -334,10 +365,10 @@ def test_scaled_nibble_decode_rounds_as_the_reference(dt):
             if dt == "bf16"
             else [pair(s.half())]
         )
-        for word in words:
-            levels = torch.tensor([(c ^ 8) - 8 for c in ((word >> 4 * j) & 15 for j in range(8))])
+        for word, high in _chunks(bits, 2)[:24]:
+            levels = torch.tensor([(c ^ half) - half for c in _codes(word, high, bits)])
             want = (levels.float() * s).to(dtype).float().tolist()
-            assert _run_nibble_ptx(ptx, word, *ops) == want, (hex(word), s.item())
+            assert _run_nibble_ptx(ptx, word, high, *ops) == want, (hex(word), s.item())
 
 
 @cuda
@@ -437,11 +468,13 @@ def test_gpu_packed_nibbles_are_right_and_deterministic(fmt, dtype, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "fmt",
-    [FORMATS["int4"], IntFormat("int4-g64", 4, 64), IntFormat("int4-row", 4, None)],
+    [FORMATS[n] for n in ("int4", "int5", "int6")]
+    + [IntFormat("int4-row", 4, None), IntFormat("int4-affine", 4, 32, symmetric=False)]
+    + [IntFormat("int5-sym", 5, 32), IntFormat("int6-row", 6, None)],
     ids=lambda f: f.name,
 )
 def test_gpu_word_tiles_are_right_and_deterministic(fmt, dtype):
-    """The generic tiles with WORDS (4-bit codes as words, levels and scales two per packed
+    """The generic tiles with WORDS (codes as words, levels and scales two per packed
     instruction): right against float32 at every M each tile shape serves, in both 16-bit
     dtypes, the same bits every call, and level with the byte tiles."""
     from vllm_embed_plugin.kernels import triton_linear

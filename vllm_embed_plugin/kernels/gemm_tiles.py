@@ -1,6 +1,7 @@
 """The generic tile kernels of the head GEMM ("tiles", the fallback of every format and
 width): codes read through the lookup's chunk unpacker (8-, 6-, 5- and 4-bit codes split in
-registers), tensor cores on the transposed product for small M, classic tiles for larger M,
+registers; with WORDS, 4-, 5- and 6-bit codes read as words and decoded two per instruction
+by PTX), tensor cores on the transposed product for small M, classic tiles for larger M,
 and the CUDA-core GEMV for one row of x. `triton_linear` chooses between these and the word
 kernels (`gemm_words`)."""
 
@@ -14,12 +15,7 @@ import triton.language as tl
 
 from ..formats import PackedRows, TableFormat
 from ..formats.integer import high_bits
-from .nibbles import (
-    NIBBLES_BF16_SIGNED,
-    NIBBLES_FP16_SIGNED,
-    SCALED_NIBBLES_BF16,
-    SCALED_NIBBLES_FP16,
-)
+from .nibbles import nibble_asm
 from .triton_lookup import dequant_chunks, planes_of
 
 
@@ -54,18 +50,27 @@ def _levels(lo, hi, BITS: tl.constexpr, SIGNED: tl.constexpr, MAGIC: tl.constexp
 
 
 @triton.jit
-def _word_level(w, i: tl.constexpr, scale, SCALED: tl.constexpr):
-    """Code i of each 32-bit word of eight 4-bit codes (sign bits flipped: level + 8) as a
-    float32 level (times `scale` if SCALED): the code sits at bits SH = 4 i (i < 5; after one
-    shift by 20 bits, 4 (i - 5)), inside the mantissa of 2^23, so one LOP3 (mask, OR 2^23) and
-    one exact subtraction make it 2^SH * level; 2^-SH goes into the multiplier."""
-    SH: tl.constexpr = 4 * (i if i < 5 else i - 5)
-    if i >= 5:
-        w = w >> 20
-    f = ((w & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (8 << SH))
+def _word_level(w, h, i: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr):
+    """Level i (int32) of each word's 8 codes: its nibble of the word, its HIGH bits of h."""
+    c = (w >> (4 * i)) & 15
+    if HIGH:
+        c = c | (((h >> (HIGH * i)) & ((1 << HIGH) - 1)) << 4)
+    if SIGNED:
+        HALF: tl.constexpr = 8 << HIGH
+        c = (c ^ HALF) - HALF
+    return c
+
+
+@triton.jit
+def _word_value(w, h, i: tl.constexpr, scale, mn, HIGH: tl.constexpr, SIGNED: tl.constexpr,
+                HAS_MIN: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr):
+    """Weight i of each word in DT, plainly (Triton's interpreter runs no PTX)."""
+    v = _word_level(w, h, i, HIGH, SIGNED).to(tl.float32)
     if SCALED:
-        return f * (scale * (1.0 / (1 << SH)))  # a power of two: exactly level * scale
-    return f * (1.0 / (1 << SH))
+        v = v * scale
+        if HAS_MIN:
+            v = v + mn
+    return v.to(DT)
 
 
 @triton.jit
@@ -76,49 +81,62 @@ def _pairs(h):
 
 
 @triton.jit
-def _word_tile(codes8_ptr, row_off8, kc, scale, BN: tl.constexpr, NKC: tl.constexpr,
-               GROUP: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr):
-    """[BN, NKC * 8] tile in DT of two's complement 4-bit codes read as 32-bit words (a chunk
-    of 8 codes each), levels times `scale` ([BN, NG, 1], NG groups in the tile) if SCALED,
-    rounded once as the reference rounds. PTX: two codes per packed instruction
-    (`nibbles.nibble_asm`: three to five instructions a pair, its shift included);
-    else (the interpreter, or float32 for the GEMV) `_word_level`."""
-    words = codes8_ptr.to(tl.pointer_type(tl.int32))
-    w = tl.load(words + row_off8 // 4 + (kc + tl.arange(0, NKC))[None, :])
+def _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN: tl.constexpr,
+               NKC: tl.constexpr, GROUP: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr,
+               HAS_MIN: tl.constexpr, SCALED: tl.constexpr, DT: tl.constexpr,
+               ASM: tl.constexpr):
+    """[BN, NKC * 8] tile in DT of 4-bit codes read as 32-bit words, 8 codes (a chunk) each,
+    and for 5- and 6-bit codes their high plane's 1 or 2 bytes a chunk. SCALED: times `scale`
+    (plus `mn`), as [BN, 1] per row or [BN, NG, 1] per group (NG in the tile), rounded once
+    as the reference rounds. ASM (`nibbles.nibble_asm`, from the host): two codes per packed
+    instruction, scaled in PTX for two's complement codes, in float32 after it for affine
+    ones; empty: plainly (`_word_value`)."""
+    chunk = kc + tl.arange(0, NKC)
+    w = tl.load(codes8_ptr.to(tl.pointer_type(tl.int32)) + row_off8 // 4 + chunk[None, :])
+    h = w  # the high plane's bits of each chunk: a byte (int5) or two (int6)
+    if HIGH == 1:
+        h = tl.load(codes8_ptr + row_off8 + nchunk * 4 + chunk[None, :]).to(tl.int32)
+    elif HIGH == 2:
+        halves = codes8_ptr.to(tl.pointer_type(tl.uint16))
+        h = tl.load(halves + (row_off8 + nchunk * 4) // 2 + chunk[None, :]).to(tl.int32)
     if GROUP:
         w = tl.reshape(w, [BN, NKC * 8 // GROUP, GROUP // 8])
-    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
-    if not PTX:
-        w = w ^ -0x77777778  # 0x88888888: every sign bit flipped, each code is level + 8
-        p0 = _word_level(w, 0, scale, SCALED).to(DT)
-        p1 = _word_level(w, 1, scale, SCALED).to(DT)
-        p2 = _word_level(w, 2, scale, SCALED).to(DT)
-        p3 = _word_level(w, 3, scale, SCALED).to(DT)
-        p4 = _word_level(w, 4, scale, SCALED).to(DT)
-        p5 = _word_level(w, 5, scale, SCALED).to(DT)
-        p6 = _word_level(w, 6, scale, SCALED).to(DT)
-        p7 = _word_level(w, 7, scale, SCALED).to(DT)
+        h = tl.reshape(h, [BN, NKC * 8 // GROUP, GROUP // 8])
+    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r"  # the word, its high bits (or unused)
+    if ASM == "":
+        p0 = _word_value(w, h, 0, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p1 = _word_value(w, h, 1, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p2 = _word_value(w, h, 2, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p3 = _word_value(w, h, 3, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p4 = _word_value(w, h, 4, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p5 = _word_value(w, h, 5, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p6 = _word_value(w, h, 6, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+        p7 = _word_value(w, h, 7, scale, mn, HIGH, SIGNED, HAS_MIN, SCALED, DT)
+    elif SCALED and SIGNED and DT == tl.bfloat16:  # the scale as s_hi + s_lo
+        hi = scale.to(tl.bfloat16)
+        lo = tl.broadcast_to(_pairs((scale - hi.to(tl.float32)).to(tl.bfloat16)), w.shape)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            ASM, C + ",r,r", [w, h, tl.broadcast_to(_pairs(hi), w.shape), lo],
+            (tl.bfloat16,) * 8, is_pure=True, pack=1)
+    elif SCALED and SIGNED:
+        s16 = tl.broadcast_to(_pairs(scale.to(tl.float16)), w.shape)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            ASM, C + ",r", [w, h, s16], (tl.float16,) * 8, is_pure=True, pack=1)
     elif DT == tl.bfloat16:
-        if SCALED:
-            hi = scale.to(tl.bfloat16)
-            lo = (scale - hi.to(tl.float32)).to(tl.bfloat16)
-            args = [w, tl.broadcast_to(_pairs(hi), w.shape), tl.broadcast_to(_pairs(lo), w.shape)]
-            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                SCALED_NIBBLES_BF16, C + ",r,r", args, (tl.bfloat16,) * 8, is_pure=True, pack=1)
-        else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                NIBBLES_BF16_SIGNED, C, [w], (tl.bfloat16,) * 8, is_pure=True, pack=1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            ASM, C, [w, h], (tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        if SCALED:
-            args = [w, tl.broadcast_to(_pairs(scale.to(tl.float16)), w.shape)]
-            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                SCALED_NIBBLES_FP16, C + ",r", args, (tl.float16,) * 8, is_pure=True, pack=1)
-        else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                NIBBLES_FP16_SIGNED, C, [w], (tl.float16,) * 8, is_pure=True, pack=1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            ASM, C, [w, h], (tl.float16,) * 8, is_pure=True, pack=1)
     # Element [.., i, j, b] of the joins is code 2 i + j + 4 b, at column 4 i + 2 j + b: each
     # pair the PTX made stays one register (x's columns in this order: `word_order`).
     v = tl.join(tl.join(tl.join(p0, p2), tl.join(p1, p3)), tl.join(tl.join(p4, p6), tl.join(p5, p7)))
+    if ASM != "" and SCALED and not SIGNED:  # affine: level * scale + minimum in float32
+        if GROUP:
+            v = v.to(tl.float32) * scale[:, :, :, None, None, None] + mn[:, :, :, None, None, None]
+        else:
+            v = v.to(tl.float32) * scale[:, :, None, None, None] + mn[:, :, None, None, None]
+        v = v.to(DT)
     return tl.reshape(v, [BN, NKC * 8])
 
 
@@ -130,7 +148,7 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                  HAS_MIN: tl.constexpr, POST_SCALE: tl.constexpr, DT: tl.constexpr,
-                 MAGIC: tl.constexpr, WORDS: tl.constexpr, PTX: tl.constexpr):
+                 MAGIC: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """Dequantized [BN, NKC * 8] tile of W in DT. FAST: 8-bit codes loaded as one byte per
     value, or 4-bit codes (and the low nibbles of 5- and 6-bit codes, OR-ed with their high
     plane's bits) as bytes split into nibbles, with group scales broadcast over
@@ -163,9 +181,9 @@ def _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, n
                                   hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
             else:
                 v = _levels(lo, hi, BITS, SIGNED, MAGIC)
-        elif WORDS:  # `linear_tiles`: two's complement 4-bit codes only
-            v = _word_tile(codes8_ptr, row_off8, kc, scale, BN, NKC, GROUP, not POST_SCALE, DT,
-                           PTX and DT != tl.float32)
+        elif WORDS:  # `linear_tiles`: 4-, 5- and 6-bit codes, scaled as made
+            v = _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN, NKC, GROUP, HIGH,
+                           SIGNED, HAS_MIN, not POST_SCALE, DT, ASM)
         else:  # 4-bit: two values per byte, low nibble first
             k = kc * 4 + tl.arange(0, BK // 2)
             raw = tl.load(codes8_ptr + row_off8 + k[None, :]).to(tl.int32)
@@ -216,7 +234,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
                    UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                    GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                    HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-                   WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
+                   WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -250,7 +268,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
         w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                          cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC,
                          FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN,
-                         POST_SCALE, xdt, MAGIC, WORDS, PTX)
+                         POST_SCALE, xdt, MAGIC, WORDS, ASM)
         kk = kc * 8 + tl.arange(0, NKC * 8)
         if EVEN_K:
             xmask = mmask[:, None] & (kk >= 0)[None, :]
@@ -286,7 +304,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
                UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-               WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
+               WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
     """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
     BK: tl.constexpr = NKC * 8
     chunk = kc + tl.arange(0, NKC)
@@ -297,7 +315,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
     w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                      cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC, FAST,
                      BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE,
-                     tl.float32, MAGIC, WORDS, PTX)
+                     tl.float32, MAGIC, WORDS, ASM)
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -321,7 +339,7 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                  HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-                 WORDS: tl.constexpr = False, PTX: tl.constexpr = False):
+                 WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
     rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
     reduced once at the end. No tensor cores, no shared-memory staging."""
@@ -344,13 +362,13 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                                         high_off, 0, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                         srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                         POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP,
-                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, PTX)
+                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, ASM)
     for kc in range(NKC, nchunk, NKC):
         p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
                                     high_off, kc, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                     srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                     POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED,
-                                    FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, PTX)
+                                    FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, ASM)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -380,8 +398,18 @@ def _split_in_registers(spec) -> bool:
 
 
 def words_tile(spec) -> bool:
-    """Formats the FAST tile can read as words (`_word_tile`): two's complement 4-bit codes."""
-    return spec.bits == 4 and spec.signed and not spec.fp8 and not spec.has_min
+    """Formats the FAST tile can read as words (`_word_tile`): 4-bit codes and the two planes
+    of 5- and 6-bit codes, two's complement or with minimums."""
+    return (spec.bits == 4 or spec.high > 0) and not spec.fp8 and (spec.signed or spec.has_min)
+
+
+def _words_asm(spec, x2: torch.Tensor) -> str:
+    """The words tile's PTX for this table and x (none on the CPU: the interpreter)."""
+    if not x2.is_cuda or x2.dtype not in (torch.bfloat16, torch.float16):
+        return ""
+    scaled = spec.signed and spec.group > 0  # else raw levels: per-row scales or minimums
+    dt = "bf16" if x2.dtype == torch.bfloat16 else "fp16"
+    return nibble_asm(dt, spec.signed, scaled=scaled, high=spec.high)
 
 
 def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:
@@ -437,9 +465,12 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
-    words = bool(cfg.get("WORDS")) and words_tile(spec) and _fast(spec, cfg, cols, cfg["BK"])
+    gemv = bool(cfg.get("GEMV")) and m <= 4
+    words = (bool(cfg.get("WORDS")) and not gemv and words_tile(spec)
+             and _fast(spec, cfg, cols, cfg["BK"]))
     planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
-                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True), PTX=x2.is_cuda, WORDS=words)
+                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True), WORDS=words,
+                  ASM=_words_asm(spec, x2) if words else "")
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     post = spec.group == 0 and spec.signed and not spec.fp8
@@ -450,7 +481,7 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     if rows > m:
         out = torch.empty((rows, n), dtype=out.dtype, device=out.device)
     nchunk = math.ceil(cols / 8)
-    if cfg.get("GEMV") and rows <= 4 and n > 0:
+    if gemv and n > 0:
         nkc = cfg["BK"] // 8
         _gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](
             x2, units, table.codes, high, scales, mins, out,
