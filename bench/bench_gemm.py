@@ -183,23 +183,24 @@ def candidates(m: int, bits: int) -> list[dict | None]:
 
 def words_candidates(m: int) -> list[dict]:
     """The generic tiles reading codes as words (`WORDS`: levels and scales two per packed
-    instruction) in the shipped shapes, and at M = 1 the tensor-core tile of M <= 16 (x padded
-    to 16 rows), which the cheaper decode may carry past the GEMV."""
-    if m > 1:
-        return [dict(KIND="tiles", WORDS=True)]
-    return [  # the shipped M = 1 kernels are GEMVs, which read no words
-        dict(
-            KIND="tiles",
-            BM=16,
-            BN=64,
-            BK=128,
-            SWAP=True,
-            num_warps=4,
-            num_stages=4,
-            PAD_M=True,
-            WORDS=True,
-        )  # fmt: skip
-    ]
+    instruction): the shipped shapes, and beside them shapes whose tensor-core products
+    Triton overlaps with the next decode on sm_90 (`bench/kernel_sass.py` shows `wait 1`
+    for some shapes and formats and `wait 0` for others, with no pattern found). At M = 1 the
+    tensor-core tile of M <= 16 (x padded to 16 rows), which the cheaper decode may carry past
+    the GEMV."""
+    tile = lambda bm, bn, bk, w, st, swap=True: dict(
+        KIND="tiles", BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=w, num_stages=st,
+        PAD_M=bm == 16, WORDS=True,
+    )  # fmt: skip
+    if m == 1:  # the shipped M = 1 kernels are GEMVs, which read no words
+        return [tile(16, 64, 128, 4, 4), tile(16, 64, 256, 4, 3)]
+    if m <= 16:
+        shapes = [tile(16, 64, 256, 4, 3), tile(16, 128, 128, 4, 3)]
+    elif m <= 64:
+        shapes = [tile(64, 64, 256, 4, 3), tile(64, 128, 128, 8, 3)]
+    else:
+        shapes = [tile(128, 128, 128, 8, 3, swap=False), tile(64, 64, 256, 4, 3)]
+    return [dict(KIND="tiles", WORDS=True)] + shapes
 
 
 def planes_candidates(m: int) -> list[dict]:
