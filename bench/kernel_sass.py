@@ -1,15 +1,19 @@
 """What a word-tile kernel ('wdot') or a generic tile kernel ('tiles', `--kernel tiles`)
-compiles to on Hopper, without a GPU: Triton compiles it for sm_90 on the CPU and nvdisasm (shipped with Triton) lists the SASS. Prints the instruction
-mix of the main loop, register spills, the wgmma shape, and whether each wgmma is waited for
-before the next tile is decoded (`wait 0`) or overlaps it (`wait 1`).
+compiles to on Hopper, without a GPU: Triton compiles it for sm_90 on the CPU and nvdisasm
+(shipped with Triton) lists the SASS. Prints the instruction mix of the main loop, register
+spills, the wgmma shape, and whether each wgmma is waited for before the next tile is
+decoded (`wait 0`) or overlaps it (`wait N`, N > 0).
 
     python bench/kernel_sass.py --bits 8 --bm 256 --bn 64 --cpt 64 --warps 8 --stages 3 --noswap
     python bench/kernel_sass.py --bits 8 --bm 256 --bn 128 --cpt 64 --warps 8 --stages 3
-    python bench/kernel_sass.py --kernel tiles --bits 6 --group 64 --bm 16 --bn 64 --cpt 128 --warps 4 --stages 4
+    python bench/kernel_sass.py --kernel tiles --bits 6 --group 64 --bm 16 --bn 64 --cpt 128 \
+        --warps 4 --stages 4 --const WORDS=1
 
 Integer arguments and pointers are specialised as a real launch on the benchmark tables
 specialises them (divisible by 16): without that, Triton cannot vectorise x's loads. A proxy
-for speed, not a timing: docs/BENCHMARKS.md's figures come from the GPU.
+for speed, not a timing: docs/BENCHMARKS.md's figures come from the GPU. To compile with
+the device's Triton rather than this checkout's: `pip install --target DIR --no-deps
+triton==3.6.0` and run with `PYTHONPATH=DIR`.
 """
 
 from __future__ import annotations
