@@ -449,7 +449,7 @@ def word_order(x2: torch.Tensor, words: bool, rows: int) -> torch.Tensor:
     m, cols = x2.shape
     if not words and rows == m:
         return x2
-    dest = x2.new_zeros((rows, cols)) if rows > m else torch.empty_like(x2)
+    dest = x2.new_zeros((rows, cols)) if rows > m else x2.new_empty((m, cols))
     if words:
         dest[:m].view(m, cols // 8, 4, 2).copy_(x2.reshape(m, cols // 8, 2, 4).transpose(-1, -2))
     else:
