@@ -68,7 +68,7 @@ def tiles_kernel(a):
     consts["ASM"] = ""
     if consts.get("WORDS"):  # the PTX `linear_tiles` passes for BF16 x
         scaled = not a.affine and a.group > 0
-        consts["ASM"] = nibble_asm("bf16", not a.affine, scaled=scaled, high=high)
+        consts["ASM"] = nibble_asm("bf16", not a.affine, scaled=scaled, high=high, f32=a.affine)
     pointers = dict(units_ptr="*i32", high_ptr={0: "*i32", 1: "*u8", 2: "*i16"}[high])
     return gemm_tiles._linear_kernel, consts, pointers
 

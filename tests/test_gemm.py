@@ -285,6 +285,8 @@ def _run_nibble_ptx(ptx: str, word: int, high: int = 0, *scales: int) -> list[fl
             regs[d] = v[0] >> v[1]
         elif op == "shl.b32":
             regs[d] = v[0] << v[1] & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = v[0] & v[1]
         elif op == "mul.lo.u32":
             regs[d] = v[0] * v[1] & 0xFFFFFFFF
         elif op == "prmt.b32":
@@ -301,6 +303,14 @@ def _run_nibble_ptx(ptx: str, word: int, high: int = 0, *scales: int) -> list[fl
                 << k
                 for k in (0, 16)
             )
+    if not outs:  # float32 outputs
+        return [
+            torch.tensor([regs[f"${j}"]], dtype=torch.int64)
+            .to(torch.int32)
+            .view(torch.float32)
+            .item()
+            for j in range(8)
+        ]
     return [half(outs[f"${j}"]) for j in range(8)]
 
 
@@ -321,16 +331,16 @@ def _chunks(bits: int, seed: int) -> list[tuple[int, int]]:
     return edges + [(w, h & ones) for w, h in rand]
 
 
-@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "bf16 f32"])
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_packed_nibble_decode_gives_every_level(dt, signed, bits):
     """The PTX that decodes codes two per instruction (run on a GPU only), executed
     instruction by instruction here: every 4-bit code, and every 5- and 6-bit code from its
-    two planes, in every position, gives its level."""
+    two planes, in every position, gives its level (as 16-bit floats, or float32)."""
     from vllm_embed_plugin.kernels.nibbles import nibble_asm
 
-    ptx = nibble_asm(dt, signed, high=bits - 4)
+    ptx = nibble_asm(dt.split()[0], signed, high=bits - 4, f32=dt.endswith("f32"))
     half = 1 << bits - 1
     for word, high in _chunks(bits, 0):
         levels = [c - 2 * half if signed and c >= half else c for c in _codes(word, high, bits)]

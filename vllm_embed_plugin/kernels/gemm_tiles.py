@@ -122,6 +122,9 @@ def _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN: tl.constexpr,
         s16 = tl.broadcast_to(_pairs(scale.to(tl.float16)), w.shape)
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             ASM, C + ",r", [w, h, s16], (tl.float16,) * 8, is_pure=True, pack=1)
+    elif SCALED and DT == tl.bfloat16:  # affine: float32 levels, then scale and minimum
+        p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w, h], (tl.float32,) * 8, is_pure=True, pack=1)
     elif DT == tl.bfloat16:
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             ASM, C, [w, h], (tl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -132,10 +135,11 @@ def _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN: tl.constexpr,
     # pair the PTX made stays one register (x's columns in this order: `word_order`).
     v = tl.join(tl.join(tl.join(p0, p2), tl.join(p1, p3)), tl.join(tl.join(p4, p6), tl.join(p5, p7)))
     if ASM != "" and SCALED and not SIGNED:  # affine: level * scale + minimum in float32
+        v = v.to(tl.float32)
         if GROUP:
-            v = v.to(tl.float32) * scale[:, :, :, None, None, None] + mn[:, :, :, None, None, None]
+            v = v * scale[:, :, :, None, None, None] + mn[:, :, :, None, None, None]
         else:
-            v = v.to(tl.float32) * scale[:, :, None, None, None] + mn[:, :, None, None, None]
+            v = v * scale[:, :, None, None, None] + mn[:, :, None, None, None]
         v = v.to(DT)
     return tl.reshape(v, [BN, NKC * 8])
 
@@ -409,7 +413,7 @@ def _words_asm(spec, x2: torch.Tensor) -> str:
         return ""
     scaled = spec.signed and spec.group > 0  # else raw levels: per-row scales or minimums
     dt = "bf16" if x2.dtype == torch.bfloat16 else "fp16"
-    return nibble_asm(dt, spec.signed, scaled=scaled, high=spec.high)
+    return nibble_asm(dt, spec.signed, scaled=scaled, high=spec.high, f32=spec.has_min and dt == "bf16")
 
 
 def tiles_config(m: int, n: int, cols: int, bits: int) -> dict:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import triton.language as tl
 
 
-def nibble_asm(dt: str, signed: bool, scaled: bool = False, high: int = 0) -> str:
+def nibble_asm(
+    dt: str, signed: bool, scaled: bool = False, high: int = 0, f32: bool = False
+) -> str:
     """PTX for `gemm_words._nibble_levels` and `gemm_tiles._word_tile`: the 8 codes of the
     word in $8 as 4 pairs of 16-bit floats, code J in the low half and J + 4 in the high half.
     Per pair one shift and one LOP3 (mask, sign flip and exponent of 2^7 (bf16) or 2^10 (fp16)
@@ -27,7 +29,11 @@ def nibble_asm(dt: str, signed: bool, scaled: bool = False, high: int = 0) -> st
     with the scale; bf16 with the scale split into s_hi = bf16(scale) and s_lo = scale - s_hi
     (two operands): s_lo holds at most 2 significant bits of an fp16 scale, so level * s_lo is
     exact in bf16 for levels of up to 6 significant bits (every code here), and one fma
-    level * s_hi + (level * s_lo) rounds the exact product once."""
+    level * s_hi + (level * s_lo) rounds the exact product once.
+
+    `f32` (bf16 only; for affine codes, whose level * scale + minimum the caller computes in
+    float32): the 8 levels as float32, a bf16 level being the top half of its float32 (one
+    shift or AND each, in place of a conversion)."""
     base = {"bf16": 0x4300, "fp16": 0x6400}[dt]  # 2^7 / 2^10: the code's bits are the units
     one = {"bf16": 0x3F80, "fp16": 0x3C00}[dt]
     flip = (8 << high) if signed else 0  # the code's sign bit
@@ -66,7 +72,11 @@ def nibble_asm(dt: str, signed: bool, scaled: bool = False, high: int = 0) -> st
             lines.append(f"{op} p{j}, p{j}, $10, q;")
         elif scaled:
             lines.append(f"{op} p{j}, p{j}, $10, nz;")
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, p{j};")
+        if f32:
+            lines.append(f"shl.b32 ${j}, p{j}, 16;")
+            lines.append(f"and.b32 ${j + 4}, p{j}, 0xFFFF0000;")
+        else:
+            lines.append(f"mov.b32 {{${j}, ${j + 4}}}, p{j};")
     return "{\n.reg .b32 t, u, v, one, off, nz, q, p0, p1, p2, p3;\n" + "\n".join(lines) + "\n}"
 
 
