@@ -181,6 +181,12 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     return _unique(out)
 
 
+def tiles_shape(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = True) -> dict:
+    """A generic tile of BM x BN with BK columns a step (x padded to 16 rows when BM is 16)."""
+    return dict(KIND="tiles", BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=warps,
+                num_stages=stages, PAD_M=bm == 16)  # fmt: skip
+
+
 def words_candidates(m: int) -> list[dict]:
     """The generic tiles reading codes as words (`WORDS`: levels and scales two per packed
     instruction): the shipped shapes, and beside them shapes whose tensor-core products
@@ -188,10 +194,7 @@ def words_candidates(m: int) -> list[dict]:
     for some shapes and formats and `wait 0` for others, with no pattern found). At M = 1 the
     tensor-core tile of M <= 16 (x padded to 16 rows), which the cheaper decode may carry past
     the GEMV."""
-    tile = lambda bm, bn, bk, w, st, swap=True: dict(
-        KIND="tiles", BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=w, num_stages=st,
-        PAD_M=bm == 16, WORDS=True,
-    )  # fmt: skip
+    tile = lambda *shape, **kw: dict(tiles_shape(*shape, **kw), WORDS=True)
     if m == 1:  # the shipped M = 1 kernels are GEMVs, which read no words
         return [tile(16, 64, 128, 4, 4), tile(16, 64, 256, 4, 3)]
     if m <= 16:
@@ -206,16 +209,7 @@ def words_candidates(m: int) -> list[dict]:
 def planes_candidates(m: int) -> list[dict]:
     """5- and 6-bit codes (a nibble plane and a high plane) in the generic tiles: shapes
     around the shipped ones (`gemm_tiles.tiles_config`), and cuBLAS on dequantized rows."""
-    tile = lambda bm, bn, bk, w, st, swap=True: dict(
-        KIND="tiles",
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        SWAP=swap,
-        num_warps=w,
-        num_stages=st,
-        PAD_M=bm == 16,
-    )
+    tile = tiles_shape
     if m == 1:
         return [
             dict(KIND="tiles", GEMV=True, BN=bn, BK=bk, num_warps=w, num_stages=1)
@@ -270,16 +264,17 @@ def variant_key(name: str, rows: int, cols: int, m: int, cfg: dict | None) -> tu
     return (name, cols, cfg_str(eff), tile)
 
 
+#: The generic tiles' flags a variant's name shows, when set to the value given here.
+TILE_FLAGS = (("MAGIC", False, " i2f"), ("FAST", False, " chunks"), ("WORDS", True, " words"))
+
+
 def cfg_str(cfg: dict | None) -> str:
     if cfg is None:
         return "shipped"
     if cfg["KIND"] == "tiles":
-        if cfg.get("MAGIC") is False:
-            return cfg_str({k: v for k, v in cfg.items() if k != "MAGIC"}) + " i2f"
-        if cfg.get("FAST") is False:
-            return cfg_str({k: v for k, v in cfg.items() if k != "FAST"}) + " chunks"
-        if cfg.get("WORDS"):
-            return cfg_str({k: v for k, v in cfg.items() if k != "WORDS"}) + " words"
+        for key, value, suffix in TILE_FLAGS:
+            if key in cfg and cfg[key] == value:
+                return cfg_str({k: v for k, v in cfg.items() if k != key}) + suffix
         if "BN" not in cfg:
             return "tiles"
         if cfg.get("GEMV"):

@@ -238,7 +238,7 @@ def _linear_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr,
                    UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                    GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
                    HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-                   WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
+                   WORDS: tl.constexpr, ASM: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -307,9 +307,9 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
                FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-               WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
-    """One [BN, BK] block of W times up to four rows of x, elementwise (summed later)."""
+               HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
+    """One [BN, BK] block of W times up to four rows of x, elementwise (summed later). Codes
+    through the FAST bytes or the chunk path, never as words (`linear_tiles`)."""
     BK: tl.constexpr = NKC * 8
     chunk = kc + tl.arange(0, NKC)
     if EVEN_K:
@@ -319,7 +319,7 @@ def _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_o
     w = _weight_tile(units_ptr, codes8_ptr, high_ptr, row_off, row_off8, high_off, nchunk, kc,
                      cmask, scales_ptr, mins_ptr, rn_safe, scale_stride, srow, mrow, BN, NKC, FAST,
                      BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED, FP8, HAS_MIN, POST_SCALE,
-                     tl.float32, MAGIC, WORDS, ASM)
+                     tl.float32, MAGIC, False, "")
     kk = kc * 8 + tl.arange(0, BK)
     kmask = kk < cols
     p0 = w * tl.load(x_ptr + kk, mask=kmask, other=0).to(tl.float32)[None, :]
@@ -342,8 +342,7 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                  FAST: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr, U: tl.constexpr,
                  UNIT_BITS: tl.constexpr, HU: tl.constexpr,
                  GROUP: tl.constexpr, SIGNED: tl.constexpr, FP8: tl.constexpr,
-                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-                 WORDS: tl.constexpr = False, ASM: tl.constexpr = ""):
+                 HAS_MIN: tl.constexpr, EVEN_K: tl.constexpr, MAGIC: tl.constexpr):
     """CUDA-core GEMV for a handful of rows (M <= MP <= 4): each program streams BN whole
     rows of W in long contiguous pieces and keeps [BN, BK] float32 partial sums per row of x,
     reduced once at the end. No tensor cores, no shared-memory staging."""
@@ -366,13 +365,13 @@ def _gemv_kernel(x_ptr, units_ptr, codes8_ptr, high_ptr, scales_ptr, mins_ptr, o
                                         high_off, 0, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                         srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                         POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP,
-                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, ASM)
+                                        SIGNED, FP8, HAS_MIN, EVEN_K, MAGIC)
     for kc in range(NKC, nchunk, NKC):
         p0, p1, p2, p3 = _gemv_step(x_ptr, units_ptr, codes8_ptr, high_ptr, row_off, row_off8,
                                     high_off, kc, rn_safe, scales_ptr, mins_ptr, scale_stride,
                                     srow, mrow, M, cols, nchunk, stride_xm, MP, BN, NKC,
                                     POST_SCALE, FAST, BITS, HIGH, U, UNIT_BITS, HU, GROUP, SIGNED,
-                                    FP8, HAS_MIN, EVEN_K, MAGIC, WORDS, ASM)
+                                    FP8, HAS_MIN, EVEN_K, MAGIC)
         acc0 += p0
         if MP > 1:
             acc1 += p1
@@ -473,8 +472,7 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     words = (bool(cfg.get("WORDS")) and not gemv and words_tile(spec)
              and _fast(spec, cfg, cols, cfg["BK"]))
     planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
-                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True), WORDS=words,
-                  ASM=_words_asm(spec, x2) if words else "")
+                  HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True))
     scales = table.scales
     mins = table.mins if table.mins is not None else scales
     post = spec.group == 0 and spec.signed and not spec.fp8
@@ -523,6 +521,7 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
         BM=bm, BN=bn, NKC=nkc, SWAP=cfg["SWAP"], SPLIT=split > 1, POST_SCALE=post, FAST=fast,
         GROUP=spec.group, SIGNED=spec.signed, **planes,
         FP8=spec.fp8, HAS_MIN=spec.has_min, EVEN_K=even_k,
+        WORDS=words, ASM=_words_asm(spec, x2) if words else "",
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     if split > 1:
