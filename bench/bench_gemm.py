@@ -203,6 +203,8 @@ def words_candidates(m: int) -> list[dict]:
         shapes = [tile(64, 64, 256, 4, 3), tile(64, 128, 128, 8, 3)]
     else:
         shapes = [tile(128, 128, 128, 8, 3, swap=False), tile(64, 64, 256, 4, 3)]
+    if m > 128:  # every row of x in one tile: each weight decoded once (6.4 a weight, int4)
+        shapes += [tile(256, 128, 64, 8, 2, swap=False), tile(256, 64, 64, 8, 3, swap=False)]
     return [dict(KIND="tiles", WORDS=True)] + shapes
 
 

@@ -204,14 +204,16 @@ def test_word_tiles_in_interpreter():
     run_in_interpreter(WORDS_CHECK, timeout=600)
 
 
-def test_word_order_puts_each_pair_side_by_side():
-    """`word_order`: within every 8 columns, x's column j + 4 b at 2 j + b; zero rows pad."""
+def test_word_order_is_the_operand_order():
+    """`word_order`: x's column 8 q + 4 b + m (code m + 4 b of word q) at 8 m + 2 q + b within
+    every 32 columns, as the word tiles leave their levels; zero rows pad."""
     from vllm_embed_plugin.kernels.gemm_tiles import word_order
 
-    x = torch.arange(32.0).reshape(2, 16)
+    x = torch.arange(128.0).reshape(2, 64)
     out = word_order(x, True, 3)
-    want = [8 * w + j + 4 * b for w in range(2) for j in range(4) for b in range(2)]
-    assert out[0].tolist() == want and out[1].tolist() == [16 + c for c in want]
+    order = [(h, m, q, b) for h in range(2) for m in range(4) for q in range(4) for b in range(2)]
+    want = [32 * h + 8 * q + 4 * b + m for h, m, q, b in order]
+    assert out[0].tolist() == want and out[1].tolist() == [64 + c for c in want]
     assert out[2].eq(0).all() and word_order(x, False, 2) is x
 
 
@@ -220,17 +222,6 @@ def test_packed_nibble_tiles_in_interpreter():
     """PACK's tile and x in wgmma's column order, with the plain decode in place of the PTX: right
     against float32 for symmetric, affine and per-row 4-bit formats."""
     run_in_interpreter(PACKED_CHECK, timeout=600)
-
-
-def test_pack_order_is_the_kernels_column_order():
-    """`pack_order` puts x's column 8q + 4b + m (nibble m + 4b of word q) at 8m + 2q + b,
-    within every 32 columns."""
-    from vllm_embed_plugin.kernels.gemm_words import pack_order
-
-    x = torch.arange(64.0).reshape(1, 64)
-    order = [(h, m, q, b) for h in range(2) for m in range(4) for q in range(4) for b in range(2)]
-    want = [32 * h + 8 * q + 4 * b + m for h, m, q, b in order]
-    assert pack_order(x)[0].tolist() == want
 
 
 def test_pack_leaves_groups_of_2_words_to_the_generic_kernels():

@@ -131,9 +131,8 @@ def _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN: tl.constexpr,
     else:
         p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
             ASM, C, [w, h], (tl.float16,) * 8, is_pure=True, pack=1)
-    # Element [.., i, j, b] of the joins is code 2 i + j + 4 b, at column 4 i + 2 j + b: each
-    # pair the PTX made stays one register (x's columns in this order: `word_order`).
-    v = tl.join(tl.join(tl.join(p0, p2), tl.join(p1, p3)), tl.join(tl.join(p4, p6), tl.join(p5, p7)))
+    # Element [.., b, s, t] of the joins is code m + 4 b, m = 2 s + t (the PTX's pair is b).
+    v = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
     if ASM != "" and SCALED and not SIGNED:  # affine: level * scale + minimum in float32
         v = v.to(tl.float32)
         if GROUP:
@@ -141,6 +140,9 @@ def _word_tile(codes8_ptr, row_off8, nchunk, kc, scale, mn, BN: tl.constexpr,
         else:
             v = v * scale[:, :, None, None, None] + mn[:, :, None, None, None]
         v = v.to(DT)
+    # The order of wgmma's operand registers, so the tile needs no trip through shared memory:
+    # within every 4 words, column 8 m + 2 q + b holds code m + 4 b of word q (`word_order`).
+    v = tl.permute(tl.reshape(v, [BN, NKC // 4, 4, 2, 2, 2]), (0, 1, 4, 5, 2, 3))
     return tl.reshape(v, [BN, NKC * 8])
 
 
@@ -446,15 +448,17 @@ def _fast(spec, cfg: dict, cols: int, bk: int) -> bool:
 
 def word_order(x2: torch.Tensor, words: bool, rows: int) -> torch.Tensor:
     """x as the kernels read it, in one copy at most: padded with zero rows up to `rows`, and
-    for the words tile (`_word_tile`) its columns in the order the PTX leaves the levels in
-    registers: within every 8 columns, column j + 4 b at 2 j + b (b = 0, 1). A dot does not
-    depend on the order of its columns, so W's tile skips the reordering (a PRMT per pair)."""
+    for tiles of codes read as words (`_word_tile`, `gemm_words._nibble_levels`) its columns
+    in the order of wgmma's operand registers, in which the PTX leaves the levels: within every
+    32 columns (4 words of 8 codes), column 8 m + 2 q + b takes column 8 q + 4 b + m. A dot
+    does not depend on the order of its columns, so W's tile is not reordered."""
     m, cols = x2.shape
     if not words and rows == m:
         return x2
     dest = x2.new_zeros((rows, cols)) if rows > m else x2.new_empty((m, cols))
     if words:
-        dest[:m].view(m, cols // 8, 4, 2).copy_(x2.reshape(m, cols // 8, 2, 4).transpose(-1, -2))
+        by_word = x2.reshape(m, cols // 32, 4, 2, 4)  # [.., q, b, m]
+        dest[:m].view(m, cols // 32, 4, 4, 2).copy_(by_word.permute(0, 1, 4, 2, 3))
     else:
         dest[:m] = x2
     return dest
@@ -469,8 +473,8 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     if config:
         cfg.update(config)
     gemv = bool(cfg.get("GEMV")) and m <= 4
-    words = (bool(cfg.get("WORDS")) and not gemv and words_tile(spec)
-             and _fast(spec, cfg, cols, cfg["BK"]))
+    words = (bool(cfg.get("WORDS")) and not gemv and words_tile(spec) and cfg["BK"] % 32 == 0
+             and _fast(spec, cfg, cols, cfg["BK"]))  # 4 words at a time: `word_order`
     planes = dict(BITS=spec.bits, HIGH=spec.high, U=per_chunk, UNIT_BITS=unit_bits,
                   HU=high_per_chunk, MAGIC=cfg.get("MAGIC", True))
     scales = table.scales

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..formats import PackedRows
-from .gemm_tiles import num_sms
+from .gemm_tiles import num_sms, word_order
 from .nibbles import NIBBLES_BF16, NIBBLES_BF16_SIGNED, NIBBLES_FP16, NIBBLES_FP16_SIGNED
 
 
@@ -394,7 +394,7 @@ def _nibble_levels(w, SIGNED: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr)
     else plain operations (Triton's CPU interpreter runs no PTX). The columns are in the
     order of wgmma's A operand, so the decoded pairs go to the dot without a trip through
     shared memory: within every 4 words, column 8m + 2q + b holds nibble m + 4b of word q
-    (four lanes hold the four words; `pack_order` orders x's columns alike)."""
+    (four lanes hold the four words; `gemm_tiles.word_order` orders x's columns alike)."""
     C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
     if not PTX:  # `_level` on a one-word block, without the float tricks
         p0 = _level(w, w, w, w, w, w, w, 0, 4, SIGNED, False, False).to(DT)
@@ -439,7 +439,7 @@ def _wdot_kernel(x_ptr, words_ptr, scales_ptr, mins_ptr, out_ptr,
     its [BN, BM] result scaled (plus the minimum times the group's sum of x) in float32.
     PACK (4-bit codes, levels dotted raw: GPOST or one scale per row): the levels decoded two
     per instruction (`_nibble_levels`; PTX off: plain operations, for the interpreter), the
-    tile's columns and x's in wgmma's order (x permuted by `pack_order`)."""
+    tile's columns and x's in wgmma's order (x permuted by `gemm_tiles.word_order`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -672,13 +672,6 @@ def words_of(table: PackedRows, spec, cols: int) -> torch.Tensor | None:
         return None
 
 
-def pack_order(x: torch.Tensor) -> torch.Tensor:
-    """x [m, cols] with its columns in `_nibble_levels`' order: within every 32 columns (4
-    words of 8 codes), column 8m + 2q + b takes column 8q + 4b + m."""
-    m, cols = x.shape
-    return x.reshape(m, cols // 32, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(m, cols)
-
-
 def _pow2_ceil(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -735,7 +728,7 @@ def linear_words(spec, table: PackedRows, words: torch.Tensor, x2: torch.Tensor,
     sb = cfg.get("SB", True) and even and whole_groups and ((t * p) // g) & ((t * p) // g - 1) == 0
     xperm = cfg.get("XPERM", False) and kind != "wdot"
     if kind == "wdot" and cfg.get("PACK"):
-        x2 = pack_order(x2)
+        x2 = word_order(x2, True, m)
     if xperm:  # [m, blocks, P] -> [m, P, blocks]: piece J's columns contiguous
         xp = x2.view(m, nblk, p).transpose(1, 2).contiguous().view(m, cols)
         x2 = xp if kind == "mma" else xp.float()
