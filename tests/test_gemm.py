@@ -112,15 +112,16 @@ def test_an_explicit_config_replaces_the_heuristic(monkeypatch):
         (256, 4, False, "wdot", 256, True),
         (256, 8, True, "wdot", 256, False),
         (128, 6, False, "tiles", None, None),
-        (129, 5, False, "cublas", None, None),
-        (256, 6, False, "cublas", None, None),
+        (129, 5, False, "tiles", 256, False),
+        (256, 6, False, "tiles", None, None),
         (257, 8, False, "cublas", None, None),
     ],
 )
 def test_batched_sizes_take_the_swept_kernels(m, bits, fp8, kind, bm, swap):
     """M = 65..256: int8, int4 and fp8 decode each weight once for up to 256 rows of x (x on
-    the left up to 128; W on the left above, int8 and int4); int5/int6 the generic tiles on
-    their two planes up to 128; larger M takes the cuBLAS chunks (docs/BENCHMARKS.md)."""
+    the left up to 128; W on the left above, int8 and int4); int5/int6 the generic tiles
+    reading their two planes as words, int5 in one tile of 256 rows above 128; larger M takes
+    the cuBLAS chunks (docs/BENCHMARKS.md)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     cfg = linear_config(m, 262144, 2560, bits, fp8)
@@ -483,7 +484,7 @@ def test_gpu_word_tiles_are_right_and_deterministic(fmt, dtype):
     rows, cols = 3000, 2560
     g = torch.Generator().manual_seed(4)
     table = quantize_table((torch.randn(rows, cols, generator=g) * 0.02).cuda(), fmt)
-    wd = fmt.dequantize(table, cols, torch.float32)
+    wd = fmt.dequantize(table, cols, dtype).float()  # the weights as the reference rounds them
     words, plain = dict(KIND="tiles", WORDS=True), dict(KIND="tiles")
     for m in (1, 2, 5, 16, 17, 40, 64, 65, 128, 200):
         x = torch.randn(m, cols, device="cuda").to(dtype)
@@ -549,11 +550,13 @@ def test_the_dispatch_table_in_the_docs_is_the_code():
 
 def test_every_format_and_m_has_a_route():
     """The dispatch answers every M with a known kernel; M = 1 takes the word kernel, or for
-    the two-plane widths (5, 6 bits), which the word kernels do not read, the generic tiles."""
+    the two-plane widths (5, 6 bits), which the word kernels do not read, the generic tiles
+    reading them as words (x padded to 16 rows)."""
     from vllm_embed_plugin.kernels.triton_linear import linear_config
 
     for bits, fp8 in ((4, False), (5, False), (6, False), (8, False), (8, True)):
         one_row = "tiles" if bits in (5, 6) else "gemv"
         assert linear_config(1, 1000, 2560, bits, fp8)["KIND"] == one_row
+        assert linear_config(1, 1000, 2560, bits, fp8).get("WORDS", False) is (bits in (5, 6))
         for m in (2, 16, 17, 64, 65, 128, 129, 200, 256, 257, 4096):
             assert linear_config(m, 1000, 2560, bits, fp8)["KIND"] in ("wdot", "tiles", "cublas")

@@ -472,6 +472,8 @@ def linear_tiles(fmt: TableFormat, spec, table: PackedRows, x2: torch.Tensor, co
     cfg = dict(tiles_config(m, n, cols, spec.bits))
     if config:
         cfg.update(config)
+    while cfg["BK"] > max(32, spec.group) and cols % cfg["BK"]:  # whole steps keep FAST
+        cfg["BK"] //= 2
     gemv = bool(cfg.get("GEMV")) and m <= 4
     words = (bool(cfg.get("WORDS")) and not gemv and words_tile(spec) and cfg["BK"] % 32 == 0
              and _fast(spec, cfg, cols, cfg["BK"]))  # 4 words at a time: `word_order`

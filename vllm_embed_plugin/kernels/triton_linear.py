@@ -77,6 +77,17 @@ def _wdot(bm: int, bn: int, warps: int, stages: int, **flags) -> dict:
 
 TILES = dict(KIND="tiles")
 
+
+def _words(bm: int = 0, bn: int = 0, bk: int = 0, warps: int = 0, stages: int = 0) -> dict:
+    """The generic tiles reading 4-bit codes (and 5- and 6-bit codes' two planes) as words
+    (`gemm_tiles._word_tile`): BM x BN, BK columns a step, W on the left up to BM = 64; no
+    shape: `gemm_tiles.tiles_config`'s. BM = 16 pads x to 16 rows, one row included."""
+    if not bm:
+        return dict(TILES, WORDS=True)
+    return dict(TILES, WORDS=True, GEMV=False, BM=bm, BN=bn, BK=bk, SWAP=bm <= 64,
+                PAD_M=bm == 16, num_warps=warps, num_stages=stages)  # fmt: skip
+
+
 #: The M dispatch: the first row that takes (M, format, width) wins; docs/BENCHMARKS.md
 #: explains it row by row. Ratios to BF16 cuBLAS in the same run (`bench/bench_gemm.py
 #: --sweep`, tables 262144 x 2560 and 151936 x 4096). M that no row takes goes to cuBLAS.
@@ -85,17 +96,31 @@ ROUTES = (
     Route(1, ("int8",), _gemv(32, True), "as int4, on rows of 4096+", min_cols=4096, tile=512),
     Route(1, ("int8", "fp8"), _gemv(16, True), "16 rows a program, x permuted", tile=256),
     Route(
-        1,
+        16,
         ("int5", "int6"),
-        dict(KIND="tiles", GEMV=True, BN=32, BK=128, num_warps=4, num_stages=1),
-        "two planes split in registers: 0.93-1.02x against 0.97-1.40x for the word GEMV",
+        _words(16, 64, 256, 4, 3),
+        "codes as words, x padded to 16 rows (H100): 0.49-0.55x against 0.75-0.78x for the "
+        "byte tiles at M = 4-16, and the GEMV's 0.66-0.72x at M = 1",
     ),
+    Route(64, ("int5", "int6"), _words(), "words (H100): 0.83-0.87x against 0.88-0.98x"),
     Route(
         128,
-        ("int5", "int6"),
-        TILES,
-        "two planes: M = 4..64 1.03-1.43x against 1.66-2.76x for the word tiles; M = 128 "
-        "1.71-2.12x against 2.76-2.94x for cuBLAS (which wins from 160 on)",
+        ("int5",),
+        _words(128, 128, 128, 8, 3),
+        "words, x on the left (H100): 1.28-1.33x against 1.42-1.43x",
+    ),
+    Route(
+        256,
+        ("int5",),
+        _words(256, 64, 64, 8, 3),
+        "words, every row of x in one tile (H100): 1.87-2.22x against 2.43-2.69x for cuBLAS",
+    ),
+    Route(
+        256,
+        ("int6",),
+        _words(),
+        "words, x on the left (H100): 1.09-1.20x at M = 128 against 1.29-1.30x; 1.70-2.06x at "
+        "160-256 against 2.36-2.60x for cuBLAS",
     ),
     Route(
         16,
@@ -111,7 +136,12 @@ ROUTES = (
         "group scale after the dot: 0.70x against 0.78-0.83x for 'tiles'",
         tile=128,
     ),
-    Route(16, ("int4",), TILES, "the generic tiles: int4 0.67-0.70x (262144 x 2560)"),
+    Route(
+        16,
+        ("int4",),
+        _words(16, 64, 256, 4, 3),
+        "codes as words (H100): 0.36-0.37x against 0.48-0.52x for the byte tiles",
+    ),
     Route(
         64,
         ("int8",),
@@ -119,7 +149,13 @@ ROUTES = (
         "x on the left, one stage: 0.96-1.00x against 1.01-1.23x (3 stages)",
         tile=128,
     ),
-    Route(64, ("int4", "fp8"), TILES, "the generic tiles: int4 0.97x, fp8 0.92x at M = 64"),
+    Route(
+        64,
+        ("int4",),
+        _words(64, 128, 128, 8, 3),
+        "codes as words (H100): 0.54-0.55x against 0.68-0.69x for the byte tiles",
+    ),
+    Route(64, ("fp8",), TILES, "the generic tiles: 0.92x at M = 64"),
     Route(
         128,
         ("fp8",),
@@ -134,7 +170,7 @@ ROUTES = (
         "1.30-1.47x against 2.71-2.77x for cuBLAS",
         tile=64,
     ),
-    Route(128, ("int4",), TILES, "the generic tiles: 1.31x at M = 128"),
+    Route(128, ("int4",), _words(), "codes as words (H100): 0.92-0.93x against 1.00x for bytes"),
     Route(
         256,
         ("int8",),
