@@ -182,9 +182,10 @@ def candidates(m: int, bits: int) -> list[dict | None]:
 
 
 def tiles_shape(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = True) -> dict:
-    """A generic tile of BM x BN with BK columns a step (x padded to 16 rows when BM is 16)."""
+    """A generic tile of BM x BN with BK columns a step (x padded to 16 rows when BM is 16);
+    never the M = 1 GEMV the heuristic's own config would otherwise lend it."""
     return dict(KIND="tiles", BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=warps,
-                num_stages=stages, PAD_M=bm == 16)  # fmt: skip
+                num_stages=stages, PAD_M=bm == 16, GEMV=False)  # fmt: skip
 
 
 def words_candidates(m: int) -> list[dict]:
