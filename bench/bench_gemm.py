@@ -181,13 +181,6 @@ def candidates(m: int, bits: int) -> list[dict | None]:
     return _unique(out)
 
 
-def tiles_shape(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = True) -> dict:
-    """A generic tile of BM x BN with BK columns a step (x padded to 16 rows when BM is 16);
-    never the M = 1 GEMV the heuristic's own config would otherwise lend it."""
-    return dict(KIND="tiles", BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=warps,
-                num_stages=stages, PAD_M=bm == 16, GEMV=False)  # fmt: skip
-
-
 def words_candidates(m: int) -> list[dict]:
     """The generic tiles reading codes as words (`WORDS`: levels and scales two per packed
     instruction): the shipped shapes, and beside them shapes whose tensor-core products
@@ -195,7 +188,7 @@ def words_candidates(m: int) -> list[dict]:
     for some shapes and formats and `wait 0` for others, with no pattern found). At M = 1 the
     tensor-core tile of M <= 16 (x padded to 16 rows), which the cheaper decode may carry past
     the GEMV."""
-    tile = lambda *shape, **kw: dict(tiles_shape(*shape, **kw), WORDS=True)
+    tile = lambda *shape, **kw: dict(triton_linear.tiles_shape(*shape, **kw), WORDS=True)
     if m == 1:  # the shipped M = 1 kernels are GEMVs, which read no words
         return [tile(16, 64, 128, 4, 4), tile(16, 64, 256, 4, 3)]
     if m <= 16:
@@ -212,7 +205,7 @@ def words_candidates(m: int) -> list[dict]:
 def planes_candidates(m: int) -> list[dict]:
     """5- and 6-bit codes (a nibble plane and a high plane) in the generic tiles: shapes
     around the shipped ones (`gemm_tiles.tiles_config`), and cuBLAS on dequantized rows."""
-    tile = tiles_shape
+    tile = triton_linear.tiles_shape
     if m == 1:
         return [
             dict(KIND="tiles", GEMV=True, BN=bn, BK=bk, num_warps=w, num_stages=1)

@@ -78,14 +78,20 @@ def _wdot(bm: int, bn: int, warps: int, stages: int, **flags) -> dict:
 TILES = dict(KIND="tiles")
 
 
-def _words(bm: int = 0, bn: int = 0, bk: int = 0, warps: int = 0, stages: int = 0) -> dict:
+def tiles_shape(bm: int, bn: int, bk: int, warps: int, stages: int, swap: bool = True) -> dict:
+    """The generic tiles at BM x BN, BK columns a step (x padded to 16 rows when BM is 16);
+    never the M = 1 GEMV that `gemm_tiles.tiles_config` would otherwise lend them."""
+    return dict(TILES, BM=bm, BN=bn, BK=bk, SWAP=swap, num_warps=warps, num_stages=stages,
+                PAD_M=bm == 16, GEMV=False)  # fmt: skip
+
+
+def _words(*shape: int) -> dict:
     """The generic tiles reading 4-bit codes (and 5- and 6-bit codes' two planes) as words
-    (`gemm_tiles._word_tile`): BM x BN, BK columns a step, W on the left up to BM = 64; no
-    shape: `gemm_tiles.tiles_config`'s. BM = 16 pads x to 16 rows, one row included."""
-    if not bm:
+    (`gemm_tiles._word_tile`) at `tiles_shape(*shape)`, W on the left up to BM = 64; no
+    shape: `gemm_tiles.tiles_config`'s."""
+    if not shape:
         return dict(TILES, WORDS=True)
-    return dict(TILES, WORDS=True, GEMV=False, BM=bm, BN=bn, BK=bk, SWAP=bm <= 64,
-                PAD_M=bm == 16, num_warps=warps, num_stages=stages)  # fmt: skip
+    return dict(tiles_shape(*shape, swap=shape[0] <= 64), WORDS=True)
 
 
 #: The M dispatch: the first row that takes (M, format, width) wins; docs/BENCHMARKS.md
